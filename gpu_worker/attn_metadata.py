@@ -9,6 +9,9 @@ the keys in (p - window, p], as transformers' sliding-window mask and vLLM's ker
 layers get their own metadata (``AttentionMetadata.for_window``), which reads only the blocks that
 hold a window's keys, so attention costs O(window) per token however long the sequence grows.
 
+Chunked (local) attention (Llama 4's rotating layers, ``ChunkedWindow``): the query at position p sees
+the keys of its chunk, [p - p mod size, p]; its layers get their own metadata as a window's do.
+
 Gemma 3's images: the tokens of one image also see each other's later tokens (``bidirectional``
 position ranges per request), within the window where there is one, as transformers' mask for it.
 """
@@ -20,6 +23,24 @@ from typing import Any
 
 import numpy as np
 import torch
+
+
+@dataclass(frozen=True)
+class ChunkedWindow:
+    """Chunked attention's "window": the query at position p sees the keys from p - p mod ``size`` to p."""
+
+    size: int
+
+
+Window = int | ChunkedWindow
+
+
+def first_key(window: Window, positions: np.ndarray) -> np.ndarray:
+    """The first key a query at each of ``positions`` sees under ``window``: a sliding window's
+    p - window + 1 (from 0), or the start of its chunk."""
+    if isinstance(window, ChunkedWindow):
+        return positions // window.size * window.size
+    return np.maximum(positions - window + 1, 0)
 
 
 @dataclass
@@ -53,15 +74,15 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None = None
     # In place, under a sliding window: [num_decodes] int64 position of each request's first key.
     decode_key_starts: torch.Tensor | None = None
-    # The sliding window this metadata attends with (None: full causal attention).
-    window: int | None = None
+    # The sliding window (or chunked attention) this metadata attends with (None: full causal attention).
+    window: Window | None = None
     # The same step's metadata for the model's sliding-window layers, when its other layers attend fully.
     windowed: AttentionMetadata | None = None
     # The recurrent layers (Mamba-2, Mamba, Gated DeltaNet, short convolutions): where each request's
     # tokens lie and its state row (gpu_worker.layers.mamba.MambaStepMetadata); None without them.
     mamba: Any = None
 
-    def for_window(self, window: int | None) -> AttentionMetadata:
+    def for_window(self, window: Window | None) -> AttentionMetadata:
         """The metadata a layer with this sliding window (None: full attention) attends with."""
         if window == self.window:
             return self
@@ -81,14 +102,15 @@ def build_attention_metadata(block_table: np.ndarray, num_blocks_per_req: np.nda
                              query_start_loc: np.ndarray, num_computed: np.ndarray, num_decodes: int,
                              slot_mapping: np.ndarray | torch.Tensor, block_size: int,
                              device: torch.device, decode_in_place: bool = False,
-                             window: int | None = None,
+                             window: Window | None = None,
                              bidirectional: dict[int, list[tuple[int, int]]] | None = None) -> AttentionMetadata:
     """Arguments are per request (decodes first) except ``query_start_loc`` ([num_reqs + 1]) and
     ``slot_mapping`` (per token). The first ``num_decodes`` requests attend as decodes, each of their
     query tokens a row of its own that sees its request's keys up to its position (one token each,
     or a few: a pass verifying drafts). ``decode_in_place`` selects the kernel that reads the paged cache
     where it lies (per-request lengths instead of a padding mask). ``window``: the sliding window
-    (None: full causal attention). ``bidirectional``: by request index, position ranges [a, b) whose
+    or chunked attention (None: full causal attention). ``bidirectional``: by request index, position
+    ranges [a, b) whose
     tokens see each other both ways (Gemma 3's images; prefill chunks only)."""
     query_lens = np.diff(query_start_loc)
     seq_lens = num_computed + query_lens
@@ -97,7 +119,7 @@ def build_attention_metadata(block_table: np.ndarray, num_blocks_per_req: np.nda
     else:
         slots = torch.from_numpy(slot_mapping).to(device, non_blocking=True)
     # The first key each request's first query token sees (None without a window: key 0).
-    key_lo = None if window is None else np.maximum(num_computed - window + 1, 0)
+    key_lo = None if window is None else first_key(window, num_computed)
 
     decode_table = decode_mask = decode_lens = decode_starts = None
     decode_max = num_rows = 0
@@ -110,7 +132,7 @@ def build_attention_metadata(block_table: np.ndarray, num_blocks_per_req: np.nda
             row_request = np.repeat(np.arange(num_decodes), query_lens[:num_decodes])
             within = np.arange(num_rows) - (query_start_loc[row_request] - query_start_loc[0])
             dec_lens = num_computed[row_request] + within + 1
-            dec_lo = None if window is None else np.maximum(dec_lens - window, 0)
+            dec_lo = None if window is None else first_key(window, dec_lens - 1)
             dec_table = block_table[row_request]
         if decode_in_place:
             # The kernel skips the blocks before each request's first key itself.
@@ -150,16 +172,16 @@ def build_attention_metadata(block_table: np.ndarray, num_blocks_per_req: np.nda
         offset = first_block * block_size
         mask = None
         blocks = (bidirectional or {}).get(i)
-        if start or (window is not None and qlen > window) or blocks:
+        if start or (window is not None and int(first_key(window, np.array(start + qlen - 1)))) or blocks:
             # Query j of a chunk starting at position p sees keys up to p + j (and, under a window,
-            # from p + j - window + 1).
+            # from its first key: p + j - window + 1, or its attention chunk's start).
             keys = np.arange(offset, seq_len)[None, :]
             pos = (start + np.arange(qlen))[:, None]
             visible = keys <= pos
             for a, b in blocks or ():  # (an image's tokens: each other's, later ones too)
                 visible |= (keys >= a) & (keys < b) & (pos >= a) & (pos < b)
             if window is not None:
-                visible &= keys > pos - window
+                visible &= keys >= first_key(window, pos)
             mask = torch.from_numpy(visible).to(device)
         prefills.append(PrefillSpan(
             token_start=int(query_start_loc[i]), token_end=int(query_start_loc[i + 1]),

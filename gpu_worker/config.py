@@ -18,6 +18,7 @@ import torch
 
 from engine_core.tokenizer_files import read_image_processor_config, read_video_processor_config
 from engine_core.tokenizer_loader import load_tokenizer
+from gpu_worker.attn_metadata import ChunkedWindow
 from gpu_worker.layers.rotary import yarn_mscale
 from gpu_worker.mamba_config import GatedDeltaNetConfig, Mamba1Config, Mamba2Config, ShortConvConfig
 from gpu_worker.quantized_checkpoint import weight_quantization
@@ -1551,7 +1552,7 @@ class ModelConfig:
     # outputs summed), so every layer keeps KV as well as a recurrent state.
     parallel_hybrid: bool = False
     # Llama 4: (attn_scale, floor_scale) of its no-position layers' query temperature; its rotating
-    # layers' attention chunk (chunked attention: served up to one chunk, max_context_len).
+    # layers' attention chunk (each query sees the keys of its chunk: layer_sliding_window).
     llama4_temperature: tuple[float, int] | None = None
     attention_chunk_size: int | None = None
     # Zamba2: the layers that run a shared attention-and-MLP block before their Mamba-2 mixer (each
@@ -1727,8 +1728,11 @@ class ModelConfig:
             return int(self.rope_scaling["original_max_position_embeddings"])
         return None
 
-    def layer_sliding_window(self, layer: int) -> int | None:
-        """The sliding window of decoder layer ``layer`` (None: full causal attention)."""
+    def layer_sliding_window(self, layer: int) -> int | ChunkedWindow | None:
+        """The sliding window of decoder layer ``layer`` (None: full causal attention); Llama 4's
+        rotating layers attend within chunks (ChunkedWindow)."""
+        if self.attention_chunk_size and (not self.rope_layers or self.rope_layers[layer]):
+            return ChunkedWindow(self.attention_chunk_size)
         if self.sliding_window is None or (self.sliding_window_layers and not self.sliding_window_layers[layer]):
             return None
         return self.sliding_window
@@ -1738,8 +1742,7 @@ class ModelConfig:
         """The longest sequence the model serves: linear RoPE scaling stretches the trained positions
         by its factor, YaRN the pretrained length by its factor (as vLLM derives them; llama3
         configs already state their extended length). A sliding window does not bound it: those
-        layers attend to the window's keys at any length. Llama 4's chunked attention does: up to one
-        chunk every rotating layer attends to every key, as served here; past it, not yet."""
+        layers attend to the window's keys at any length, nor do Llama 4's chunks."""
         if self.rope_scaling and self.rope_scaling.get("rope_type") == "yarn":
             return int(self.rope_scaling["original_max_position_embeddings"] * float(self.rope_scaling["factor"]))
         length = self.max_position_embeddings
@@ -1747,8 +1750,6 @@ class ModelConfig:
         if (self.rope_scaling and self.rope_scaling.get("rope_type") == "linear"
                 and self.architecture != "Gemma3ForCausalLM"):
             length = int(self.max_position_embeddings * float(self.rope_scaling["factor"]))
-        if self.attention_chunk_size:
-            length = min(length, self.attention_chunk_size)
         return length
 
     @property

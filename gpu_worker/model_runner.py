@@ -10,6 +10,7 @@ drafts the model agrees with, plus one token of its own. All per-token arrays ar
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
@@ -25,7 +26,7 @@ from engine_core.sampling_params import SamplingParams
 from engine_core.sched.output import GrammarBitmask, SchedulerOutput
 from engine_core.sleep_mode import check_sleep, wake_up_tags
 from gpu_worker import distributed
-from gpu_worker.attn_metadata import AttentionMetadata, build_attention_metadata, compute_slot_mapping
+from gpu_worker.attn_metadata import AttentionMetadata, Window, build_attention_metadata, compute_slot_mapping
 from gpu_worker.config import ModelConfig
 from gpu_worker.cpu_kernels import cpu_kernels_available
 from gpu_worker.distributed import get_tp_rank
@@ -100,7 +101,7 @@ class ModelRunner:
         # kernel reads the cache in place (_decode_requests): a pass verifying drafts.
         self.decode_query_max = 1 + num_spec_tokens
         self.model: nn.Module | None = None
-        self.attention_windows: frozenset[int | None] = frozenset({None})
+        self.attention_windows: frozenset[Window | None] = frozenset({None})
         self.rope_short_offset: int | None = None
         self.rope_original_len: int | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -250,10 +251,23 @@ class ModelRunner:
             stack.aux_layer_ids = config.eagle.aux_layer_ids
         self.drafter = drafter
 
+    def _config_to_build(self) -> ModelConfig:
+        """The model's config, its positions cut to max_model_len where that leaves everything but the
+        rotary tables' length as it is (a decoder's plain, linear or llama3 RoPE, whose frequencies do
+        not depend on it; not an encoder's position embeddings, nor a vision model's positions): the
+        tables then hold the positions served, not all the model's (Llama 4 Scout's 10M would take
+        gigabytes)."""
+        config = self.config
+        scaling = (config.rope_scaling or {}).get("rope_type", "default")
+        if (config.encoder_only or config.vision is not None or scaling not in ("default", "linear", "llama3")
+                or self.max_model_len >= config.max_context_len):
+            return config
+        return dataclasses.replace(config, max_position_embeddings=self.max_model_len)
+
     def _loaded_model(self, weights: WeightSource) -> nn.Module:
         """A new model with the checkpoint's weights, in eval mode."""
         with torch.device(self.device), _default_dtype(self.dtype):
-            model = build_model(self.config)
+            model = build_model(self._config_to_build())
         source = read_by(model, iter_checkpoint(weights) if isinstance(weights, (str, Path)) else weights)
         if self.config.quantization is not None:  # (quantized weights: the model's dtype from here on)
             source = dequantized_weights(source, self.config.quantization, self.config.quantization_config,
@@ -1059,7 +1073,9 @@ class ModelRunner:
         """This step's metadata for the model's layers: full attention, a sliding window, or (Qwen2's
         upper layers) both, the windowed one hung on the full one. ``bidirectional``: Gemma 3's
         images' position ranges, by request index (see build_attention_metadata)."""
-        window, windows = self.config.sliding_window, self.attention_windows
+        # (The layers' one window besides full attention: a sliding one, or Llama 4's chunks.)
+        windows = self.attention_windows
+        window = next((w for w in windows if w is not None), None)
         if decode_in_place:
             num_decodes = self._decode_requests(query_start_loc, num_decodes, bidirectional)
         meta = build_attention_metadata(block_table, num_blocks, query_start_loc, starts, num_decodes, slot_mapping,

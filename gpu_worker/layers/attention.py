@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker.attn_metadata import AttentionMetadata
+from gpu_worker.attn_metadata import AttentionMetadata, Window
 from gpu_worker.cpu_kernels import paged_decode_attention_unchecked
 from gpu_worker.kv_cache import FP8_DTYPES, read_kv, store_kv
 from gpu_worker.layers.linear import tp_rank_and_size
@@ -71,7 +71,7 @@ def _sinks_loader(param: nn.Parameter, loaded: WeightLike, shard_id: int | str |
 
 class PagedAttention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None, softcap: float | None = None, sinks: bool = False,
+                 sliding_window: Window | None = None, softcap: float | None = None, sinks: bool = False,
                  tiled_prefill_on: tuple[str, ...] = ()) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -79,7 +79,8 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.num_groups = num_heads // num_kv_heads
-        # The query at position p sees the keys in (p - sliding_window, p]; None: all keys up to p.
+        # The query at position p sees the keys in (p - sliding_window, p] (under chunked attention, a
+        # ChunkedWindow: those of its chunk); None: all keys up to p.
         self.sliding_window = sliding_window
         # Scores become softcap * tanh(score / softcap) before the softmax (Gemma 2); None: no cap.
         self.softcap = softcap

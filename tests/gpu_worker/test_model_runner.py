@@ -18,6 +18,7 @@ from tests.gpu_worker.utils import (
     load_hf,
     make_runner,
     make_scheduler,
+    prefill_logits,
     run_to_completion,
     save_tiny_model,
 )
@@ -182,12 +183,14 @@ def test_longrope_switches_to_the_long_factors_as_transformers_does(tmp_path, va
 @pytest.mark.parametrize(("kind", "overrides"), [
     ("mistral", {"sliding_window": 6}),
     ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}),
-], ids=["mistral_every_layer", "qwen2_upper_layer"])
+    ("llama4", {"attention_chunk_size": 6}),
+], ids=["mistral_every_layer", "qwen2_upper_layer", "llama4_chunked_attention"])
 def test_sliding_window_greedy_matches_hf(tmp_path, kind, overrides, decode_in_place):
     """Sequences run far past the window, through chunked prefill (chunks starting past it), decodes
     beside prefills, a preemption and a prefix-cache hit, on both attention paths. Where every layer
     is windowed (Mistral), the scheduler releases the blocks behind each request's window as it goes,
-    and other requests reuse them while the runner's tables still list them."""
+    and other requests reuse them while the runner's tables still list them. Llama 4's chunked
+    attention (chunks of 6 keys, across block edges) in its rotating layers, beside full layers."""
     path = save_tiny_model(tmp_path, kind, **overrides)
     config = ModelConfig.from_pretrained(path)
     hf = load_hf(path)
@@ -215,6 +218,22 @@ def test_sliding_window_greedy_matches_hf(tmp_path, kind, overrides, decode_in_p
         assert seen["held"] <= 4 < seen["positions"]
     for rid, p in ps.items():
         assert got[rid] == hf_greedy(hf, p, 12), rid
+
+
+def test_the_rotary_tables_hold_the_positions_served(tmp_path):
+    """A max_model_len below the model's context: the rotary tables are cut to it, the logits the same."""
+    from gpu_worker.model_runner import ModelRunner
+
+    path = save_tiny_model(tmp_path, "llama", max_position_embeddings=256)
+    full = make_runner(path, num_blocks=16)
+    short = ModelRunner(ModelConfig.from_pretrained(path), device="cpu", dtype=torch.float32, max_model_len=48)
+    short.load_model(path)
+    short.initialize_kv_cache(16, 4)
+    assert full.model.model.rotary_emb.cos_cache.shape[0] == 256
+    assert short.model.model.rotary_emb.cos_cache.shape[0] == 48
+    prompt = [(5 * i + 1) % 256 for i in range(40)]
+    torch.testing.assert_close(prefill_logits(short, prompt, list(range(10))),
+                               prefill_logits(full, prompt, list(range(10))))
 
 
 @pytest.mark.parametrize("decode_in_place", [True, False], ids=["kernel", "gather"])

@@ -325,10 +325,10 @@ def test_ernie4_5_moe_reads_stacked_experts_and_transformers_names_and_skips_mtp
     torch.testing.assert_close(prefill_logits(make_runner(path, num_blocks=16), prompt, list(range(8))), expected)
 
 
-def test_llama4s_released_checkpoint_is_served_on_text_up_to_one_attention_chunk(tmp_path):
+def test_llama4s_released_checkpoint_is_served_on_text(tmp_path):
     """Llama4ForConditionalGeneration (as Llama 4 Scout and Maverick are released): its language model
-    alone, the vision side neither built nor read; the context served stops at attention_chunk_size,
-    within which the chunked layers attend to every key (past it they are not served)."""
+    alone, the vision side neither built nor read; its rotating layers attend within their chunks (of
+    8 tokens here: a 45-token prompt crosses five), the others to every key, at any length."""
     from transformers import Llama4Config, Llama4ForConditionalGeneration
 
     from tests.gpu_worker.utils import make_config
@@ -342,7 +342,10 @@ def test_llama4s_released_checkpoint_is_served_on_text_up_to_one_attention_chunk
     runner = make_runner(tmp_path, num_blocks=16)
     config = runner.model.config
     assert (config.architecture, config.language_model_of) == ("Llama4ForCausalLM", "Llama4ForConditionalGeneration")
-    assert config.max_context_len == 128 and config.max_position_embeddings == 256
+    from gpu_worker.attn_metadata import ChunkedWindow
+
+    assert config.max_context_len == 256
+    assert [layer.sliding_window for layer in runner.model.attention_layers()] == [ChunkedWindow(8), None] * 2
     assert not any("vision" in name for name, _ in runner.model.named_parameters())
     prompt = [(7 * i + 3) % 200 for i in range(45)]
     with torch.no_grad():

@@ -271,15 +271,16 @@ def make_config(kind: str = "llama", **overrides):
     if kind == "stablelm":
         return StableLmConfig(**{"use_qkv_bias": True, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
                                  **kw})
-    # Llama 4 (text): rotating layers (L2 q/k norms) but every second, whose queries take the
-    # temperature past a floor_scale of 8 positions; 4 experts (1 a token, its weight on the input)
-    # beside a shared one in every second layer, a dense MLP twice as wide in the others.
+    # Llama 4 (text): rotating layers (L2 q/k norms, attending within chunks of 8 tokens) but every
+    # second, whose queries take the temperature past a floor_scale of 8 positions; 4 experts (1 a
+    # token, its weight on the input) beside a shared one in every second layer, a dense MLP twice as
+    # wide in the others.
     if kind == "llama4":
         from transformers import Llama4TextConfig
 
         return Llama4TextConfig(**{"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 1,
                                    "interleave_moe_layer_step": 2, "no_rope_layer_interval": 2,
-                                   "intermediate_size_mlp": 256, "attention_chunk_size": 128, "floor_scale": 8,
+                                   "intermediate_size_mlp": 256, "attention_chunk_size": 8, "floor_scale": 8,
                                    "attn_scale": 0.5, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
                                    **kw, "num_hidden_layers": max(4, kw["num_hidden_layers"])})
     if kind == "arcee":
