@@ -1101,6 +1101,7 @@ def _llama4_config(cfg: dict[str, Any]) -> dict[str, Any]:
     (intermediate_size_mlp, 16384) as intermediate_size; the layers that rotate (no_rope_layers: 1
     where a layer rotates; by default all but every no_rope_layer_interval-th) and those of routed
     experts (moe_layers; by default every interleave_moe_layer_step-th from its last)."""
+    chunk = cfg.get("attention_chunk_size", 8192)  # (null: no chunks, every layer attends fully)
     cfg = {k: v for k, v in cfg.items() if v is not None}
     layers = int(cfg.get("num_hidden_layers") or 48)
     interval, step = int(cfg.get("no_rope_layer_interval") or 4), int(cfg.get("interleave_moe_layer_step") or 1)
@@ -1110,7 +1111,14 @@ def _llama4_config(cfg: dict[str, Any]) -> dict[str, Any]:
         moe_layers = list(range(step - 1, layers, step))
     if len(rotating) != layers:
         raise ValueError(f"no_rope_layers lists {len(rotating)} layers, the model has {layers}")
+    # The chunked layers: layer_types' "chunked_attention" ones where it is given, else the rotating ones.
+    kinds = cfg.get("layer_types")
+    if not isinstance(kinds, list):
+        kinds = ["chunked_attention" if rotate and chunk else "full_attention" for rotate in rotating]
+    if len(kinds) != layers:
+        raise ValueError(f"layer_types lists {len(kinds)} layers, the model has {layers}")
     return {**cfg, "num_hidden_layers": layers, "no_rope_layers": list(rotating), "moe_layers": list(moe_layers),
+            "attention_chunk_size": int(chunk or 0), "layer_types": list(kinds),
             "moe_intermediate_size": int(cfg.get("intermediate_size") or 8192),
             "intermediate_size": int(cfg.get("intermediate_size_mlp") or 16384)}
 
@@ -1120,11 +1128,12 @@ def _llama4_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     and its chunked attention's chunk (attention_chunk_size: the longest context served)."""
     if arch != "Llama4ForCausalLM":
         return {}
-    chunk = cfg.get("attention_chunk_size", 8192)
+    chunk = int(cfg["attention_chunk_size"])  # (0: none)
     return {"rope_layers": tuple(bool(r) for r in cfg["no_rope_layers"]),
             "llama4_temperature": ((float(cfg.get("attn_scale", 0.1)), int(cfg.get("floor_scale", 8192)))
                                    if cfg.get("attn_temperature_tuning", True) else None),
-            "attention_chunk_size": int(chunk) if chunk else None}
+            "attention_chunk_size": chunk or None,
+            "chunked_attention_layers": tuple(kind == "chunked_attention" for kind in cfg["layer_types"])}
 
 
 def _exaone4_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -1555,6 +1564,7 @@ class ModelConfig:
     # layers' attention chunk (each query sees the keys of its chunk: layer_sliding_window).
     llama4_temperature: tuple[float, int] | None = None
     attention_chunk_size: int | None = None
+    chunked_attention_layers: tuple[bool, ...] = ()
     # Zamba2: the layers that run a shared attention-and-MLP block before their Mamba-2 mixer (each
     # use of a block keeps a KV cache of its own); empty for other models.
     shared_attention_layers: tuple[int, ...] = ()
@@ -1731,7 +1741,7 @@ class ModelConfig:
     def layer_sliding_window(self, layer: int) -> int | ChunkedWindow | None:
         """The sliding window of decoder layer ``layer`` (None: full causal attention); Llama 4's
         rotating layers attend within chunks (ChunkedWindow)."""
-        if self.attention_chunk_size and (not self.rope_layers or self.rope_layers[layer]):
+        if self.attention_chunk_size and self.chunked_attention_layers[layer]:
             return ChunkedWindow(self.attention_chunk_size)
         if self.sliding_window is None or (self.sliding_window_layers and not self.sliding_window_layers[layer]):
             return None

@@ -88,10 +88,10 @@ class DraftModel:
             raise ValueError("a draft model is not paired with LongRoPE models (their positions are remapped "
                              "per request)")
         # A target whose every layer is windowed releases the blocks behind the window (the engine's
-        # cache config): the draft must not read them.
+        # cache config): the draft must not read them (nor may a draft of full or chunked attention).
         window = target.config.uniform_sliding_window
         draft_windows = {layer.sliding_window for layer in draft.model.attention_layers()}
-        if window is not None and any(w is None or w > window for w in draft_windows):
+        if window is not None and any(not isinstance(w, int) or w > window for w in draft_windows):
             widths = ", ".join(sorted(map(str, draft_windows)))
             raise ValueError(f"the target attends through a sliding window of {window} tokens and frees the blocks "
                              f"behind it; the draft model attends further back (windows {widths}): choose a draft "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from pathlib import Path
@@ -262,7 +263,11 @@ class ModelRunner:
         if (config.encoder_only or config.vision is not None or scaling not in ("default", "linear", "llama3")
                 or self.max_model_len >= config.max_context_len):
             return config
-        return dataclasses.replace(config, max_position_embeddings=self.max_model_len)
+        # (A linear scaling stretches the positions by its factor; Gemma 3 states its stretched length.)
+        factor = (float(config.rope_scaling["factor"])
+                  if scaling == "linear" and config.architecture != "Gemma3ForCausalLM" else 1.0)
+        cut = dataclasses.replace(config, max_position_embeddings=math.ceil(self.max_model_len / factor))
+        return cut if cut.max_context_len >= self.max_model_len else config
 
     def _loaded_model(self, weights: WeightSource) -> nn.Module:
         """A new model with the checkpoint's weights, in eval mode."""

@@ -68,14 +68,16 @@ def adapter_module_names(model: nn.Module) -> Callable[[str], str | None]:
     adapter's names always follow the base weights'."""
     language_prefixes = getattr(model, "_LANGUAGE_MODEL_PREFIXES", ())
     left_out = getattr(model, "_VISION_PREFIXES", ())
+    # (A model naming modules otherwise than its checkpoint: Llama 4's feed_forward is our mlp.)
+    renamed = getattr(model, "lora_module_name", lambda module: module)
 
     def ours(module: str) -> str | None:
         if left_out and module.startswith(left_out):
             return None
         for theirs, mine in language_prefixes:
             if module.startswith(theirs):
-                return mine + module[len(theirs):]
-        return module
+                return renamed(mine + module[len(theirs):])
+        return renamed(module)
 
     return ours
 
@@ -228,7 +230,8 @@ class LoRAManager:
         by_layer: dict[str, dict[int | str | None, tuple[torch.Tensor, torch.Tensor]]] = {}
         for module, (a, b) in peft.weights.items():
             prefix, _, name = module.rpartition(".")
-            fused, shard_id = self.packed.get(name, (name, None))
+            # (A projection of its own name is not a shard: an ungated MLP's up_proj, Arcee's.)
+            fused, shard_id = (name, None) if module in self.layers else self.packed.get(name, (name, None))
             path = f"{prefix}.{fused}" if prefix else fused
             if path not in self.layers and f"{path}.".startswith(self.pp_missing_prefixes):
                 continue  # (a layer another pipeline stage holds: its own rank loads this part)

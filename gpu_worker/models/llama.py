@@ -114,12 +114,11 @@ class UngatedMLP(nn.Module):
         down = RowParallelLinear(width, config.hidden_size, bias=config.mlp_bias, reduce_results=reduce_results)
         setattr(self, self.in_name, up)
         setattr(self, self.out_name, down)
-        self._projections = (up, down)  # (a tuple: registered once, under the names above)
         self.act = ungated_activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        up, down = self._projections
-        return down.forward(self.act(up.forward(x)))
+        # (Looked up by name each time: LoRA replaces a projection with its wrapper on this module.)
+        return getattr(self, self.out_name).forward(self.act(getattr(self, self.in_name).forward(x)))
 
 
 class SparseMoeBlock(nn.Module):

@@ -5,9 +5,9 @@ served).
 * Three layers of four rotate their queries and keys (no_rope_layers) and then L2-norm them (use_qk_norm:
   an RMSNorm without weights); the fourth attends without positions, its queries scaled by
   1 + attn_scale * log(floor((position + 1) / floor_scale) + 1) (attn_temperature_tuning).
-* The rotating layers attend within chunks of attention_chunk_size tokens (8192): this engine serves
-  Llama 4 up to one chunk (ModelConfig.max_context_len), where that is every key up to the query, as
-  the full-attention layers do; longer contexts (the chunks' local attention) are not served yet.
+* The rotating layers (layer_types' "chunked_attention" ones) attend within chunks of
+  attention_chunk_size tokens (8192): the query at position p sees the keys from p - p mod 8192
+  (gpu_worker.attn_metadata.ChunkedWindow); the others attend to every key.
 * Routed experts in every interleave_moe_layer_step-th layer (moe_layers): the top-k experts by router
   logit, each weighted by the sigmoid of its logit, which scales the token's input to the expert;
   beside a shared expert every token goes through; the other layers' MLP is intermediate_size_mlp wide.
@@ -109,12 +109,19 @@ class Llama4ForCausalLM(PairedRopeForCausalLM):
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         return super().checkpoint_tensors(self._renamed(weights))
 
+    def lora_module_name(self, module: str) -> str:
+        """A LoRA adapter's module name (the checkpoint's) as ours."""
+        return self._renamed_name(f"{module}.")[:-1]
+
+    def _renamed_name(self, name: str) -> str:
+        for theirs, ours in self._RENAMED:
+            if theirs in name:
+                return name.replace(theirs, ours)
+        return name
+
     def _renamed(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         for name, tensor in weights:
-            for theirs, ours in self._RENAMED:
-                if theirs in name:
-                    name = name.replace(theirs, ours)
-                    break
+            name = self._renamed_name(name)
             if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")) \
                     and not name.startswith(self.pp_missing_prefixes):
                 tensor = materialize(tensor).transpose(1, 2)  # ([experts, in, out] -> [experts, out, in])

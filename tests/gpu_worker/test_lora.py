@@ -359,6 +359,20 @@ def test_an_adapter_on_glm4_gives_pefts_tokens(tmp_path):
     assert _drive(_worker(base, adapters).execute_model, adapters, prompts, max_loras=1) == expected
 
 
+@pytest.mark.parametrize("kind, targets", [("arcee", ("q_proj", "up_proj", "down_proj")),
+                                           ("starcoder2", ("v_proj", "c_fc", "c_proj")),
+                                           ("llama4", ("q_proj", "k_proj", "gate_proj", "up_proj", "down_proj"))])
+def test_adapters_on_ungated_mlps_and_llama4s_feed_forward_give_pefts_tokens(tmp_path, kind, targets):
+    """Arcee's and StarCoder2's ungated MLPs (their projections looked up where LoRA wraps them), and
+    Llama 4's feed_forward (our mlp: its dense layers' and its shared expert's projections; q and k
+    rows reordered from RoPE's pairs): each adapter gives PEFT's tokens."""
+    base = save_tiny_model(tmp_path / "base", kind, vocab_size=251)
+    save_adapter(base, tmp_path / "a", seed=9, targets=targets)
+    adapters, prompts, expected = _adapter_a_expectations(base, tmp_path, adapter_seed=9, prompt_seed=19,
+                                                          targets=targets)
+    assert _drive(_worker(base, adapters).execute_model, adapters, prompts, max_loras=1) == expected
+
+
 def test_an_adapter_on_phi3s_fused_projections_gives_pefts_tokens(tmp_path):
     """Phi-3's checkpoint, and so PEFT's adapters for it, hold q/k/v and gate/up fused
     (``qkv_proj``, ``gate_up_proj``): one A for the whole projection, B's rows in q, k, v order."""

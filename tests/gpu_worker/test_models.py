@@ -353,6 +353,24 @@ def test_llama4s_released_checkpoint_is_served_on_text(tmp_path):
     torch.testing.assert_close(prefill_logits(runner, prompt, list(range(12))), expected, atol=1e-4, rtol=1e-4)
 
 
+def test_llama4s_chunked_layers_are_read_as_transformers():
+    """The chunked layers: layer_types' where given, else the rotating ones; a null attention_chunk_size
+    leaves every layer attending fully (as transformers reads it), rotating or not."""
+    from gpu_worker.attn_metadata import ChunkedWindow
+
+    base = {"architectures": ["Llama4ForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 4, "vocab_size": 256,
+            "attention_chunk_size": 16}
+    default = ModelConfig.from_dict(base)
+    assert [default.layer_sliding_window(i) for i in range(4)] == [ChunkedWindow(16)] * 3 + [None]
+    assert default.rope_layers == (True, True, True, False)
+    listed = ModelConfig.from_dict({**base, "layer_types": ["full_attention", "chunked_attention"] * 2})
+    assert [listed.layer_sliding_window(i) for i in range(4)] == [None, ChunkedWindow(16)] * 2
+    unchunked = ModelConfig.from_dict({**base, "attention_chunk_size": None})
+    assert [unchunked.layer_sliding_window(i) for i in range(4)] == [None] * 4
+    assert unchunked.rope_layers == default.rope_layers
+
+
 def test_exaone4s_layer_kinds_are_read_as_transformers_and_its_releases_state_them():
     """EXAONE 4.0: a window on the layers layer_types names, else every layer but each pattern-th
     (released as the string "LLLG"); the windowed layers rotate, the full ones do not; a null window
