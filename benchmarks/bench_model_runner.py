@@ -125,6 +125,14 @@ SMOLLM2_135M = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9
                     rope_theta=100000.0, tie_word_embeddings=True, architectures=["LlamaForCausalLM"])
 
 
+def random_source(model_class: type, config_class: type, shapes: dict, device: torch.device, dtype: torch.dtype,
+                  **config_kwargs):
+    """A random transformers model of ``shapes`` on the device, in eval mode, with our config for it and
+    its tensors as the converter entry point takes them (HF names, straight from the model: no files)."""
+    hf = model_class(config_class(**shapes, **config_kwargs)).to(device=device, dtype=dtype).eval()
+    return hf, ModelConfig.from_dict(shapes), iter(hf.state_dict().items())
+
+
 # transformers 5.x renamed past_key_values to cache (the old name still works, with a warning).
 _CACHE_KW = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
 
@@ -267,10 +275,8 @@ def main() -> None:
                   "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                       "truncate": False, "original_max_position_embeddings": 4096,
                                       "rope_theta": 150000.0}}
-        hf = GptOssForCausalLM(GptOssConfig(**shapes, attn_implementation="eager")).to(device=device, dtype=dtype)
-        hf = hf.eval()
-        model_config = ModelConfig.from_dict(shapes)
-        weights = iter(hf.state_dict().items())
+        hf, model_config, weights = random_source(GptOssForCausalLM, GptOssConfig, shapes, device, dtype,
+                                                  attn_implementation="eager")
     elif args.model == "random" and args.glm4_moe:
         width = SMOLLM2_135M["intermediate_size"] // 2
         shapes = {**SMOLLM2_135M, "architectures": ["Glm4MoeForCausalLM"], "head_dim": 64,
@@ -278,9 +284,7 @@ def main() -> None:
                   "moe_intermediate_size": width, "n_shared_experts": 1, "n_group": 2, "topk_group": 1,
                   "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "attention_bias": True,
                   "use_qk_norm": True, "partial_rotary_factor": 0.5}
-        hf = Glm4MoeForCausalLM(Glm4MoeConfig(**shapes)).to(device=device, dtype=dtype).eval()
-        model_config = ModelConfig.from_dict(shapes)
-        weights = iter(hf.state_dict().items())
+        hf, model_config, weights = random_source(Glm4MoeForCausalLM, Glm4MoeConfig, shapes, device, dtype)
     elif args.model == "random" and args.deepseek_v3:
         shapes = {**SMOLLM2_135M, "architectures": ["DeepseekV3ForCausalLM"], "num_key_value_heads": 9,
                   "q_lora_rank": 384, "kv_lora_rank": 256, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32,
@@ -288,9 +292,7 @@ def main() -> None:
                   "num_experts_per_tok": args.experts_per_token,
                   "moe_intermediate_size": SMOLLM2_135M["intermediate_size"] // 2, "n_shared_experts": 1,
                   "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5}
-        hf = DeepseekV3ForCausalLM(DeepseekV3Config(**shapes)).to(device=device, dtype=dtype).eval()
-        model_config = ModelConfig.from_dict(shapes)
-        weights = iter(hf.state_dict().items())
+        hf, model_config, weights = random_source(DeepseekV3ForCausalLM, DeepseekV3Config, shapes, device, dtype)
     elif args.model == "random" and args.minimax_m2:
         shapes = {**SMOLLM2_135M, "architectures": ["MiniMaxM2ForCausalLM"], "head_dim": 64,
                   "num_local_experts": args.experts or 8, "num_experts_per_tok": args.experts_per_token,
@@ -307,10 +309,8 @@ def main() -> None:
         shapes = {**SMOLLM2_135M, "architectures": ["Gemma2ForCausalLM"], "head_dim": 64,
                   "query_pre_attn_scalar": 64, "sliding_window": args.sliding_window or 4096,
                   "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
-        hf = Gemma2ForCausalLM(Gemma2Config(**shapes, attn_implementation="eager")).to(device=device, dtype=dtype)
-        hf = hf.eval()
-        model_config = ModelConfig.from_dict(shapes)
-        weights = iter(hf.state_dict().items())
+        hf, model_config, weights = random_source(Gemma2ForCausalLM, Gemma2Config, shapes, device, dtype,
+                                                  attn_implementation="eager")
     elif args.model == "random" and args.granite_hybrid:
         layers = SMOLLM2_135M["num_hidden_layers"]
         shapes = {**SMOLLM2_135M, "architectures": ["GraniteMoeHybridForCausalLM"], "num_local_experts": 0,
@@ -318,9 +318,8 @@ def main() -> None:
                   "layer_types": ["attention" if i % 10 == 5 else "mamba" for i in range(layers)],
                   "mamba_n_heads": 18, "mamba_d_head": 64, "mamba_n_groups": 1, "mamba_d_state": 128,
                   "mamba_chunk_size": 256, "position_embedding_type": "nope"}
-        hf = GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(**shapes)).to(device=device, dtype=dtype).eval()
-        model_config = ModelConfig.from_dict(shapes)
-        weights = iter(hf.state_dict().items())
+        hf, model_config, weights = random_source(GraniteMoeHybridForCausalLM, GraniteMoeHybridConfig, shapes,
+                                                  device, dtype)
     elif args.model == "random" and args.nemotron_h:
         layers = SMOLLM2_135M["num_hidden_layers"]
         pattern = "".join("-" if i % 2 else ("*" if i % 10 == 4 else "M") for i in range(layers))
@@ -328,9 +327,7 @@ def main() -> None:
                   "head_dim": 64, "mamba_num_heads": 18, "mamba_head_dim": 64, "n_groups": 1, "ssm_state_size": 128,
                   "chunk_size": 256, "tie_word_embeddings": False}  # (transformers' Nemotron-H never ties)
         shapes.pop("num_hidden_layers")
-        hf = NemotronHForCausalLM(NemotronHConfig(**shapes)).to(device=device, dtype=dtype).eval()
-        model_config = ModelConfig.from_dict(shapes)
-        weights = iter(hf.state_dict().items())
+        hf, model_config, weights = random_source(NemotronHForCausalLM, NemotronHConfig, shapes, device, dtype)
     elif args.model == "random" and args.qwen3_next:
         width = SMOLLM2_135M["intermediate_size"] // 2
         shapes = {**SMOLLM2_135M, "architectures": ["Qwen3NextForCausalLM"], "head_dim": 64,
@@ -338,17 +335,13 @@ def main() -> None:
                   "linear_num_value_heads": 8, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
                   "num_experts": args.experts or 8, "num_experts_per_tok": args.experts_per_token,
                   "moe_intermediate_size": width, "shared_expert_intermediate_size": width, "norm_topk_prob": True}
-        hf = Qwen3NextForCausalLM(Qwen3NextConfig(**shapes)).to(device=device, dtype=dtype).eval()
-        model_config = ModelConfig.from_dict(shapes)
-        weights = iter(hf.state_dict().items())
+        hf, model_config, weights = random_source(Qwen3NextForCausalLM, Qwen3NextConfig, shapes, device, dtype)
     elif args.model == "random" and args.lfm2:
         layers = SMOLLM2_135M["num_hidden_layers"]
         shapes = {**SMOLLM2_135M, "architectures": ["Lfm2ForCausalLM"], "block_auto_adjust_ff_dim": False,
                   "layer_types": ["full_attention" if i % 4 == 3 else "conv" for i in range(layers)],
                   "norm_eps": SMOLLM2_135M["rms_norm_eps"]}
-        hf = Lfm2ForCausalLM(Lfm2Config(**shapes)).to(device=device, dtype=dtype).eval()
-        model_config = ModelConfig.from_dict(shapes)
-        weights = iter(hf.state_dict().items())
+        hf, model_config, weights = random_source(Lfm2ForCausalLM, Lfm2Config, shapes, device, dtype)
     elif args.model == "random" and args.falcon_h1:
         shapes = {**SMOLLM2_135M, "architectures": ["FalconH1ForCausalLM"], "head_dim": 64, "mamba_n_heads": 12,
                   "mamba_d_head": 64, "mamba_d_ssm": 768, "mamba_d_state": 128, "mamba_n_groups": 1,
@@ -356,15 +349,11 @@ def main() -> None:
                   "embedding_multiplier": 5.66, "key_multiplier": 0.39, "lm_head_multiplier": 0.039,
                   "mlp_multipliers": [0.88, 0.59], "ssm_in_multiplier": 1.25, "ssm_out_multiplier": 0.24,
                   "ssm_multipliers": [0.35, 0.25, 0.35, 0.5, 0.35]}
-        hf = FalconH1ForCausalLM(FalconH1Config(**shapes)).to(device=device, dtype=dtype).eval()
-        model_config = ModelConfig.from_dict(shapes)
-        weights = iter(hf.state_dict().items())
+        hf, model_config, weights = random_source(FalconH1ForCausalLM, FalconH1Config, shapes, device, dtype)
     elif args.model == "random" and args.jamba:
         shapes = {**SMOLLM2_135M, "architectures": ["JambaForCausalLM"], "num_experts": 1, "attn_layer_period": 8,
                   "attn_layer_offset": 4, "mamba_d_state": 16}
-        hf = JambaForCausalLM(JambaConfig(**shapes)).to(device=device, dtype=dtype).eval()
-        model_config = ModelConfig.from_dict(shapes)
-        weights = iter(hf.state_dict().items())
+        hf, model_config, weights = random_source(JambaForCausalLM, JambaConfig, shapes, device, dtype)
     elif args.model == "random" and args.zamba2:
         layers = SMOLLM2_135M["num_hidden_layers"]
         shapes = {**SMOLLM2_135M, "architectures": ["Zamba2ForCausalLM"], "num_key_value_heads": None,
@@ -372,14 +361,10 @@ def main() -> None:
                   "n_mamba_heads": 18, "mamba_d_state": 64, "mamba_ngroups": 1, "chunk_size": 256, "num_mem_blocks": 2,
                   "use_shared_attention_adapter": True, "adapter_rank": 128, "use_mem_rope": True,
                   "hidden_act": "gelu"}
-        hf = Zamba2ForCausalLM(Zamba2Config(**shapes)).to(device=device, dtype=dtype).eval()
-        model_config = ModelConfig.from_dict(shapes)
-        weights = iter(hf.state_dict().items())
+        hf, model_config, weights = random_source(Zamba2ForCausalLM, Zamba2Config, shapes, device, dtype)
     elif args.model == "random" and args.sliding_window:
         shapes = {**SMOLLM2_135M, "architectures": ["MistralForCausalLM"], "sliding_window": args.sliding_window}
-        hf = MistralForCausalLM(MistralConfig(**shapes)).to(device=device, dtype=dtype).eval()
-        model_config = ModelConfig.from_dict(shapes)
-        weights = iter(hf.state_dict().items())
+        hf, model_config, weights = random_source(MistralForCausalLM, MistralConfig, shapes, device, dtype)
     elif args.model == "random":
         hf = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).to(device=device, dtype=dtype).eval()
         model_config = ModelConfig.from_dict(SMOLLM2_135M)

@@ -103,6 +103,9 @@ GPT_OSS_DEFAULTS = {"head_dim": 64, "sliding_window": 128, "attention_bias": Tru
 GLM4_MOE_DEFAULTS = {"rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "intermediate_size": 10944}
 # transformers' defaults for the keys a config of these Llama-like families may leave out.
 LLAMA_LIKE_DEFAULTS = {
+    "Glm4ForCausalLM": {"rms_norm_eps": 1.5625e-07, "max_position_embeddings": 131072, "intermediate_size": 13696,
+                        "head_dim": 128, "num_key_value_heads": 2, "attention_bias": True,
+                        "eos_token_id": [151329, 151336, 151338]},
     "SeedOssForCausalLM": {"head_dim": 128, "rms_norm_eps": 1e-6, "max_position_embeddings": 524288,
                            "num_key_value_heads": 8, "attention_bias": True},
     "HeliumForCausalLM": {"head_dim": 128, "rms_norm_eps": 1e-8, "max_position_embeddings": 4096},
@@ -119,10 +122,7 @@ LLAMA_LIKE_DEFAULTS = {
                           "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5,
                           "max_position_embeddings": 131072, "rope_theta": 500000.0},
 }
-# transformers' Glm4Config defaults (GLM-4-0414, dense) for the keys a config may leave out.
-GLM4_DEFAULTS = {"rms_norm_eps": 1.5625e-07, "max_position_embeddings": 131072, "intermediate_size": 13696,
-                 "head_dim": 128, "num_key_value_heads": 2, "attention_bias": True,
-                 "eos_token_id": [151329, 151336, 151338]}
+
 # transformers' MiniMaxM2Config defaults for the keys a MiniMax-M2 config may leave out (the experts'
 # are _moe_from_dict's).
 MINIMAX_M2_DEFAULTS = {"head_dim": 128, "rms_norm_eps": 1e-6, "max_position_embeddings": 196608,
@@ -1172,7 +1172,6 @@ def _cohere_config(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
            "num_attention_heads": 64, "max_position_embeddings": 8192, "tie_word_embeddings": True,
            "logit_scale": 0.0625, **({"sliding_window": 4096} if arch == "Cohere2ForCausalLM" else {}),
            **{k: v for k, v in cfg.items() if v is not None}}
-    cfg["rms_norm_eps"] = float(cfg.get("layer_norm_eps") or 1e-5)
     if arch == "Cohere2ForCausalLM":
         cfg["head_dim"] = int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
         if not isinstance(cfg.get("layer_types"), list):
@@ -1216,6 +1215,7 @@ def _zamba2_config(cfg: dict[str, Any]) -> dict[str, Any]:
     # raised the RoPE base, which neither does.)
     return {**cfg, "num_hidden_layers": len(kinds), "layers_block_type": list(kinds), "num_key_value_heads": heads,
             "head_dim": 2 * hidden // heads, "intermediate_size": int(cfg.get("intermediate_size") or 4 * hidden),
+            "mlp_bias": bool(cfg.get("add_bias_linear", False)),
             **({"max_position_embeddings": 16384} if cfg.get("use_long_context") else {})}
 
 
@@ -1247,8 +1247,7 @@ def _zamba2_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     return {"mamba": mamba, "mamba_layers": (True,) * num_layers,
             "shared_attention_layers": tuple(i for i, kind in enumerate(kinds) if kind == "hybrid"),
             "rope_layers": (bool(cfg.get("use_mem_rope", False)),) * num_layers,
-            "attention_multiplier": (int(cfg["head_dim"]) / 2) ** -0.5,
-            "mlp_bias": bool(cfg.get("add_bias_linear", False))}
+            "attention_multiplier": (int(cfg["head_dim"]) / 2) ** -0.5}
 
 
 def _granite_hybrid_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
@@ -1872,15 +1871,13 @@ class ModelConfig:
                                                                                       "mrope_interleaved")}}
         if arch == "Glm4MoeForCausalLM":
             cfg = {**GLM4_MOE_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
-        if arch == "Glm4ForCausalLM":
-            cfg = {**GLM4_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
         if arch == "Llama4ForCausalLM":  # (before the defaults: its two MLP widths)
             cfg = _llama4_config(cfg)
         if arch == "Exaone4ForCausalLM":  # (before the defaults: a null sliding_window means none)
             cfg = _exaone4_config(cfg)
         if arch in LLAMA_LIKE_DEFAULTS:
             cfg = {**LLAMA_LIKE_DEFAULTS[arch], **{k: v for k, v in cfg.items() if v is not None}}
-        if arch in ("Starcoder2ForCausalLM", "StableLmForCausalLM"):  # (their LayerNorms' epsilon)
+        if arch in (*COHERE_ARCHITECTURES, "Starcoder2ForCausalLM", "StableLmForCausalLM"):  # (LayerNorms' epsilon)
             cfg["rms_norm_eps"] = float(cfg.get("norm_epsilon", cfg.get("layer_norm_eps")) or 1e-5)
         if arch == "MiniMaxM2ForCausalLM":
             cfg = {**MINIMAX_M2_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
@@ -2036,9 +2033,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma or arch == "SmolLM3ForCausalLM")),
             qkv_bias=qkv_bias,
             o_proj_bias=o_bias,
-            # (ERNIE 4.5's use_bias covers its MLP too.)
-            **({} if arch == "Zamba2ForCausalLM" else
-               {"mlp_bias": bool(cfg.get("mlp_bias", cfg.get("use_bias", False)))}),
+            mlp_bias=bool(cfg.get("mlp_bias", cfg.get("use_bias", False))),  # (ERNIE 4.5's use_bias covers its MLP too)
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
             or (arch == "Glm4MoeForCausalLM" and bool(cfg.get("use_qk_norm", False)))
             or arch in (*LFM2_ARCHITECTURES, "Exaone4ForCausalLM"),

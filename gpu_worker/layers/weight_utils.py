@@ -79,6 +79,15 @@ def load_sharded(param: torch.Tensor, loaded: WeightLike, dim: int, rank: int) -
     copy_into(param, loaded.narrow(dim, rank * size, size))
 
 
+def gate_and_up(name: str, tensor: WeightLike, fused: str = ".gate_up_proj.", gate: str = ".gate_proj.",
+                up: str = ".up_proj.") -> Iterator[tuple[str, WeightLike]]:
+    """A checkpoint's fused gate-and-up tensor (the gate's rows, then up's: Phi-3's, GLM-4's, Granite's
+    shared MLP, Zamba2's) as its two halves, ``fused`` in its name made ``gate`` and ``up``."""
+    half = tensor.shape[0] // 2
+    yield name.replace(fused, gate), tensor.narrow(0, 0, half)
+    yield name.replace(fused, up), tensor.narrow(0, half, half)
+
+
 def renamed_by_prefix(weights: Iterable[tuple[str, WeightLike]], prefixes: tuple[tuple[str, str], ...],
                       keep: Callable[[str], bool]) -> Iterator[tuple[str, WeightLike]]:
     """``weights`` with the names that start with one of ``prefixes``' first members (tried in order)

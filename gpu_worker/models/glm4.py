@@ -19,7 +19,7 @@ import torch
 from gpu_worker.attn_metadata import AttentionMetadata
 from gpu_worker.config import ModelConfig
 from gpu_worker.layers.layernorm import RMSNorm
-from gpu_worker.layers.weight_utils import WeightLike
+from gpu_worker.layers.weight_utils import WeightLike, gate_and_up
 from gpu_worker.models.llama import LlamaDecoderLayer, LlamaModel
 from gpu_worker.models.paired_rope import PairedRopeForCausalLM
 
@@ -51,9 +51,7 @@ class Glm4ForCausalLM(PairedRopeForCausalLM):
     @staticmethod
     def _split_gate_up(weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         for name, tensor in weights:
-            if ".mlp.gate_up_proj." in name:  # (gate rows, then up rows)
-                half = tensor.shape[0] // 2
-                yield name.replace(".gate_up_proj.", ".gate_proj."), tensor.narrow(0, 0, half)
-                yield name.replace(".gate_up_proj.", ".up_proj."), tensor.narrow(0, half, half)
+            if ".mlp.gate_up_proj." in name:
+                yield from gate_and_up(name, tensor)
             else:
                 yield name, tensor

@@ -35,7 +35,7 @@ from gpu_worker.layers.linear import (
 )
 from gpu_worker.layers.mamba import MambaMixer2
 from gpu_worker.layers.rotary import RotaryEmbedding, llama_4_query_scale
-from gpu_worker.layers.weight_utils import WeightLike
+from gpu_worker.layers.weight_utils import WeightLike, gate_and_up
 
 
 class LlamaAttention(nn.Module):
@@ -488,9 +488,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                 for part, start, size in (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)):
                     yield name.replace(".qkv_proj.", f".{part}."), tensor.narrow(0, start, size)
             elif ".gate_up_proj." in name:
-                half = config.intermediate_size
-                yield name.replace(".gate_up_proj.", ".gate_proj."), tensor.narrow(0, 0, half)
-                yield name.replace(".gate_up_proj.", ".up_proj."), tensor.narrow(0, half, half)
+                yield from gate_and_up(name, tensor)
             else:
                 yield name, tensor
 
@@ -535,9 +533,8 @@ class GraniteMoeSharedForCausalLM(GraniteMoeForCausalLM):
         shared = ".mlp.shared_experts." if self.config.num_experts else ".mlp."
         for name, tensor in super().checkpoint_tensors(weights):
             if ".shared_mlp.input_linear." in name:
-                half = tensor.shape[0] // 2
-                yield name.replace(".shared_mlp.input_linear.", f"{shared}gate_proj."), tensor.narrow(0, 0, half)
-                yield name.replace(".shared_mlp.input_linear.", f"{shared}up_proj."), tensor.narrow(0, half, half)
+                yield from gate_and_up(name, tensor, ".shared_mlp.input_linear.", f"{shared}gate_proj.",
+                                       f"{shared}up_proj.")
             elif ".shared_mlp.output_linear." in name:
                 yield name.replace(".shared_mlp.output_linear.", f"{shared}down_proj."), tensor
             else:

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker import distributed
@@ -35,8 +36,7 @@ from gpu_worker.models.paired_rope import PairedRopeForCausalLM
 
 def l2_norm(heads: torch.Tensor, eps: float) -> torch.Tensor:
     """Each head's values over their root mean square (no weights), in fp32, cast back."""
-    x = heads.float()
-    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(heads.dtype)
+    return F.rms_norm(heads.float(), heads.shape[-1:], eps=eps).to(heads.dtype)
 
 
 class Llama4Attention(LlamaAttention):

@@ -39,7 +39,7 @@ from gpu_worker.layers.linear import (
 )
 from gpu_worker.layers.mamba import MambaMixer2
 from gpu_worker.layers.rotary import RotaryEmbedding
-from gpu_worker.layers.weight_utils import WeightLike, materialize
+from gpu_worker.layers.weight_utils import WeightLike, gate_and_up, materialize
 from gpu_worker.models.llama import PipelineStage
 from gpu_worker.models.single_stage import SingleStageCausalLM
 
@@ -234,15 +234,10 @@ class Zamba2ForCausalLM(SingleStageCausalLM):
                 yield f"{target}.a.weight", tensor
             elif adapter is not None and adapter.group(2):
                 yield f"{target}.b.weight", tensor
-            elif adapter is not None or rest.startswith("feed_forward.gate_up_proj."):
-                # (gate rows, then up rows: split so each rank takes its share of both)
-                half = tensor.shape[0] // 2
-                if adapter is not None:
-                    gate, up = f"{target}.b_gate.weight", f"{target}.b_up.weight"
-                else:
-                    gate, up = (target.replace(".gate_up_proj.", f".{kind}.") for kind in ("gate_proj", "up_proj"))
-                yield gate, tensor.narrow(0, 0, half)
-                yield up, tensor.narrow(0, half, half)
+            elif adapter is not None:  # (gate rows, then up rows: each rank takes its share of both)
+                yield from gate_and_up(f"{target}.b.weight", tensor, ".b.", ".b_gate.", ".b_up.")
+            elif rest.startswith("feed_forward.gate_up_proj."):
+                yield from gate_and_up(target, tensor)
             else:
                 yield target, tensor
 
