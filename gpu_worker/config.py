@@ -75,7 +75,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "CohereForCausalLM", "Cohere2ForCausalLM", "Glm4ForCausalLM", "SeedOssForCausalLM",
                            "HeliumForCausalLM", "Ernie4_5ForCausalLM", "ArceeForCausalLM", "Exaone4ForCausalLM",
                            "Ernie4_5_MoeForCausalLM", "Starcoder2ForCausalLM", "StableLmForCausalLM",
-                           "Llama4ForCausalLM")
+                           "Llama4ForCausalLM", "GlmForCausalLM", "NemotronForCausalLM", "OlmoForCausalLM",
+                           "PhiForCausalLM", "GPTNeoXForCausalLM", "Dots1ForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -101,11 +102,16 @@ GPT_OSS_DEFAULTS = {"head_dim": 64, "sliding_window": 128, "attention_bias": Tru
 # transformers' Glm4MoeConfig defaults for the keys a GLM-4.5 config may leave out (the released
 # configs state them; the experts' are _moe_from_dict's, the partial rotary's from_dict's).
 GLM4_MOE_DEFAULTS = {"rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "intermediate_size": 10944}
+# GLM-4's dense models: GLM-4-9B (GlmForCausalLM) and the 0414 releases (Glm4ForCausalLM, norms after
+# each sublayer too).
+GLM_DENSE_ARCHITECTURES = ("GlmForCausalLM", "Glm4ForCausalLM")
+_GLM_DEFAULTS = {"rms_norm_eps": 1.5625e-07, "max_position_embeddings": 131072, "intermediate_size": 13696,
+                 "head_dim": 128, "num_key_value_heads": 2, "attention_bias": True,
+                 "eos_token_id": [151329, 151336, 151338]}
 # transformers' defaults for the keys a config of these Llama-like families may leave out.
 LLAMA_LIKE_DEFAULTS = {
-    "Glm4ForCausalLM": {"rms_norm_eps": 1.5625e-07, "max_position_embeddings": 131072, "intermediate_size": 13696,
-                        "head_dim": 128, "num_key_value_heads": 2, "attention_bias": True,
-                        "eos_token_id": [151329, 151336, 151338]},
+    "GlmForCausalLM": _GLM_DEFAULTS,
+    "Glm4ForCausalLM": _GLM_DEFAULTS,
     "SeedOssForCausalLM": {"head_dim": 128, "rms_norm_eps": 1e-6, "max_position_embeddings": 524288,
                            "num_key_value_heads": 8, "attention_bias": True},
     "HeliumForCausalLM": {"head_dim": 128, "rms_norm_eps": 1e-8, "max_position_embeddings": 4096},
@@ -118,6 +124,11 @@ LLAMA_LIKE_DEFAULTS = {
     "Starcoder2ForCausalLM": {"max_position_embeddings": 4096, "hidden_act": "gelu_pytorch_tanh",
                               "tie_word_embeddings": True, "use_bias": True, "num_key_value_heads": 2},
     "StableLmForCausalLM": {"max_position_embeddings": 4096, "partial_rotary_factor": 0.25},
+    "NemotronForCausalLM": {"max_position_embeddings": 4096, "hidden_act": "relu2", "partial_rotary_factor": 0.5},
+    "OlmoForCausalLM": {"max_position_embeddings": 2048},
+    "PhiForCausalLM": {"max_position_embeddings": 2048, "hidden_act": "gelu_new", "partial_rotary_factor": 0.5},
+    "GPTNeoXForCausalLM": {"max_position_embeddings": 2048, "hidden_act": "gelu", "attention_bias": True,
+                           "use_parallel_residual": True},
     "Llama4ForCausalLM": {"vocab_size": 202048, "hidden_size": 5120, "num_hidden_layers": 48,
                           "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5,
                           "max_position_embeddings": 131072, "rope_theta": 500000.0},
@@ -132,7 +143,15 @@ GPT_OSS_ROPE_DEFAULTS = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
 # Those whose heads may rotate only their first values (partial_rotary_factor).
 PARTIAL_ROTARY_ARCHITECTURES = ("Phi3ForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Qwen3NextForCausalLM",
                                 "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "BambaForCausalLM", "Glm4ForCausalLM",
-                                "StableLmForCausalLM")
+                                "StableLmForCausalLM", "GlmForCausalLM", "NemotronForCausalLM", "PhiForCausalLM",
+                                "GPTNeoXForCausalLM")
+# Families of LayerNorms (with their epsilon under layer_norm_eps, norm_epsilon or norm_eps).
+LAYER_NORM_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM", "Starcoder2ForCausalLM", "StableLmForCausalLM",
+                            "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM")
+# Those whose MLP is ungated (one projection in, one out), and the activations served there (the
+# tanh forms of gelu under three names: gelu_new, gelu_fast, gelu_pytorch_tanh).
+UNGATED_MLP_ARCHITECTURES = ("Starcoder2ForCausalLM", "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM")
+UNGATED_ACTIVATIONS = ("relu2", "gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh")
 # transformers' Qwen3NextConfig defaults for the keys a Qwen3-Next config may leave out.
 QWEN3_NEXT_DEFAULTS = {"head_dim": 256, "partial_rotary_factor": 0.25, "linear_conv_kernel_dim": 4,
                        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
@@ -713,6 +732,11 @@ def _activation(arch: str, cfg: dict[str, Any]) -> str:
         if act != "relu2":
             raise ValueError(f"{key} must be 'relu2' for {arch}, got {act!r}")
         return act
+    elif arch in UNGATED_MLP_ARCHITECTURES:
+        act = cfg.get("hidden_act") or "gelu"
+        if act not in UNGATED_ACTIVATIONS:
+            raise ValueError(f"hidden_act must be one of {UNGATED_ACTIVATIONS} for {arch}, got {act!r}")
+        return act
     else:
         act = cfg.get("hidden_act", "silu")
     if act not in SUPPORTED_ACTIVATIONS:
@@ -1191,6 +1215,20 @@ def _cohere_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
+def _gpt_neox_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A GPT-NeoX config's RoPE under the names the other families use, as transformers' GPTNeoXConfig
+    reads them: rotary_pct (a quarter of each head by default) and rotary_emb_base, where no
+    rope_parameters state them."""
+    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+
+    def first(*values: Any) -> Any:
+        return next(value for value in values if value is not None)
+
+    return {**cfg, "partial_rotary_factor": first(params.get("partial_rotary_factor"), cfg.get("rotary_pct"), 0.25),
+            "rope_theta": first(params.get("rope_theta"), cfg.get("rotary_emb_base"), 10000.0),
+            "num_key_value_heads": cfg.get("num_attention_heads")}
+
+
 def _zamba2_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """Zyphra's Zamba2 config as transformers' Zamba2Config reads it: its defaults for the keys a
     config leaves out, and what it derives whatever the file says: the shared blocks' attention over
@@ -1326,14 +1364,19 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
                     moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True, moe_bias=True,
                     moe_activation="swigluoai", swiglu_alpha=float(cfg.get("swiglu_alpha") or 1.702),
                     swiglu_limit=float(cfg.get("swiglu_limit") or 7.0))
-    if arch in ("Glm4MoeForCausalLM", *DEEPSEEK_ARCHITECTURES):
+    if arch in ("Glm4MoeForCausalLM", *DEEPSEEK_ARCHITECTURES, "Dots1ForCausalLM"):
         # Routed experts from layer first_k_dense_replace on (dense MLPs of intermediate_size below;
-        # DeepSeek's every moe_layer_freq-th layer), beside n_shared_experts shared ones. GLM-4.5 and
-        # DeepSeek-V3 (topk_method noaux_tc): sigmoid scores chosen through the correction bias;
-        # DeepSeek-V2: the softmax, within the best groups under group_limited_greedy.
+        # DeepSeek's every moe_layer_freq-th layer), beside n_shared_experts shared ones. GLM-4.5,
+        # DeepSeek-V3 (topk_method noaux_tc) and dots.llm1: sigmoid scores chosen through the correction
+        # bias; DeepSeek-V2: the softmax, within the best groups under group_limited_greedy.
         v2 = arch == "DeepseekV2ForCausalLM"
+        if arch == "Dots1ForCausalLM":  # (transformers' Dots1Config leaves these unset: a config states them)
+            unset = [key for key in ("n_routed_experts", "num_experts_per_tok", "n_shared_experts")
+                     if cfg.get(key) is None]
+            if unset:
+                raise ValueError(f"a Dots1ForCausalLM config must state {', '.join(unset)}")
         defaults = {"Glm4MoeForCausalLM": (128, 1408, 8, 1, 1.0), "DeepseekV2ForCausalLM": (64, 1407, 6, 0, 1.0),
-                    "DeepseekV3ForCausalLM": (256, 2048, 8, 3, 2.5)}[arch]
+                    "DeepseekV3ForCausalLM": (256, 2048, 8, 3, 2.5), "Dots1ForCausalLM": (0, 1408, 0, 0, 1.0)}[arch]
         num_experts = read("n_routed_experts", defaults[0], "num_local_experts")
         width = read("moe_intermediate_size", defaults[1])
         grouped = 8 if arch == "DeepseekV3ForCausalLM" else 1  # (transformers' defaults: V3's 8 groups, 4 kept)
@@ -1355,7 +1398,7 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
         num_mtp = 0 if v2 else int(cfg.get("num_nextn_predict_layers") or 0)
         return dict(num_mtp_layers=num_mtp, num_experts=num_experts, num_experts_per_tok=top_k,
                     moe_intermediate_size=width,
-                    norm_topk_prob=bool(cfg.get("norm_topk_prob", not v2)),
+                    norm_topk_prob=bool(cfg.get("norm_topk_prob", not v2 and arch != "Dots1ForCausalLM")),
                     shared_expert_intermediate_size=width * read("n_shared_experts", 2 if v2 else 1),
                     shared_expert_gated=False, moe_grouped_topk=True, moe_scoring="softmax" if v2 else "sigmoid",
                     moe_correction_bias=not v2, moe_num_groups=groups, moe_topk_groups=kept,
@@ -1404,8 +1447,6 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
                     moe_layers=tuple(num_experts > 0 and i >= read("num_dense_layers", 2) for i in range(num_layers)))
     if arch == "OlmoeForCausalLM":
         # Every layer routed; the experts' width is intermediate_size; not renormalised by default.
-        if cfg.get("clip_qkv") is not None:
-            raise ValueError("clip_qkv (clamping OLMoE's q, k and v) is not served")
         return dict(num_experts=read("num_experts", 64, "num_local_experts"),
                     num_experts_per_tok=read("num_experts_per_tok", 8),
                     moe_intermediate_size=int(cfg.get("intermediate_size", 2048)),
@@ -1875,10 +1916,17 @@ class ModelConfig:
             cfg = _llama4_config(cfg)
         if arch == "Exaone4ForCausalLM":  # (before the defaults: a null sliding_window means none)
             cfg = _exaone4_config(cfg)
+        if arch == "GPTNeoXForCausalLM":
+            cfg = _gpt_neox_config(cfg)
         if arch in LLAMA_LIKE_DEFAULTS:
             cfg = {**LLAMA_LIKE_DEFAULTS[arch], **{k: v for k, v in cfg.items() if v is not None}}
-        if arch in (*COHERE_ARCHITECTURES, "Starcoder2ForCausalLM", "StableLmForCausalLM"):  # (LayerNorms' epsilon)
-            cfg["rms_norm_eps"] = float(cfg.get("norm_epsilon", cfg.get("layer_norm_eps")) or 1e-5)
+        if arch in LAYER_NORM_ARCHITECTURES:  # (LayerNorms' epsilon)
+            cfg["rms_norm_eps"] = float(cfg.get("norm_epsilon", cfg.get("layer_norm_eps", cfg.get("norm_eps"))) or 1e-5)
+        if arch == "OlmoForCausalLM":  # (its parameter-free LayerNorms' epsilon, fixed)
+            cfg["rms_norm_eps"] = 1e-5
+        if arch in ("PhiForCausalLM", "GPTNeoXForCausalLM"):  # (biases on every projection of the MLP; Phi's
+            # attention's too)
+            cfg = {**cfg, "mlp_bias": True, **({"attention_bias": True} if arch == "PhiForCausalLM" else {})}
         if arch == "MiniMaxM2ForCausalLM":
             cfg = {**MINIMAX_M2_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
         if arch == "GptOssForCausalLM":
@@ -1937,7 +1985,7 @@ class ModelConfig:
                 and cfg.get("partial_rotary_factor") is None and cfg.get("rotary_dim"):
             partial = int(cfg["rotary_dim"]) / head_dim  # (as released: rotary_dim, 64 of 128)
         rotary_dim = mla["qk_rope_head_dim"] if mla else int(head_dim * partial)
-        if arch in ("Glm4MoeForCausalLM", "Glm4ForCausalLM") and "partial_rotary_factor" not in params \
+        if arch in ("Glm4MoeForCausalLM", *GLM_DENSE_ARCHITECTURES) and "partial_rotary_factor" not in params \
                 and cfg.get("partial_rotary_factor") is None:
             partial, rotary_dim = 0.5, head_dim // 2  # (transformers' default for GLM-4 and 4.5: half of each head)
         # Phi-4-mini rotates 3/4 of each head, GLM-4.5 half (the first values of each, in halves as
@@ -1957,7 +2005,20 @@ class ModelConfig:
         elif arch == "GptOssForCausalLM":
             qkv_bias = o_bias = bool(cfg["attention_bias"])
             sliding = cfg.get("sliding_window")
-        elif arch in ("Glm4MoeForCausalLM", "Glm4ForCausalLM", "HeliumForCausalLM"):
+        elif arch == "Dots1ForCausalLM":
+            # (transformers' Dots1Config: a window of sliding_window (4096 where absent) on the layers from
+            # max_window_layers (62) on, where layer_types does not name them)
+            qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
+            sliding = cfg.get("sliding_window", 4096)
+            kinds = cfg.get("layer_types")
+            if sliding and not isinstance(kinds, list):
+                first = int(cfg.get("max_window_layers", 62))
+                kinds = ["sliding_attention" if i >= first else "full_attention"
+                         for i in range(int(cfg["num_hidden_layers"]))]
+                cfg = {**cfg, "layer_types": kinds}
+            if not isinstance(kinds, list) or "sliding_attention" not in kinds:
+                sliding = None
+        elif arch in ("Glm4MoeForCausalLM", *GLM_DENSE_ARCHITECTURES, "HeliumForCausalLM"):
             # (attention_bias: q, k and v's; o_proj has none)
             qkv_bias, o_bias, sliding = bool(cfg.get("attention_bias", False)), False, None
         elif arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
@@ -2034,9 +2095,10 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_proj_bias=o_bias,
             mlp_bias=bool(cfg.get("mlp_bias", cfg.get("use_bias", False))),  # (ERNIE 4.5's use_bias covers its MLP too)
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Dots1ForCausalLM")
             or (arch == "Glm4MoeForCausalLM" and bool(cfg.get("use_qk_norm", False)))
-            or arch in (*LFM2_ARCHITECTURES, "Exaone4ForCausalLM"),
+            or arch in (*LFM2_ARCHITECTURES, "Exaone4ForCausalLM")
+            or (arch == "PhiForCausalLM" and bool(cfg.get("qk_layernorm"))),
             eos_token_ids=eos,
             sliding_window=int(sliding) if sliding else None,
             dtype=parse_dtype(dtype_name) if isinstance(dtype_name, str) else None,

@@ -48,24 +48,27 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Hidden states -> logits. Each rank computes its vocab slice; rank 0 gathers the full row."""
+    """Hidden states -> logits. Each rank computes its vocab slice; rank 0 gathers the full row.
+    ``bias``: a logit bias per token (Phi-2's head), split as the rows are."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False,
                  tp_rank: int | None = None, tp_size: int | None = None) -> None:
         super().__init__(num_embeddings, embedding_dim, tp_rank, tp_size)
-        if bias:
-            raise ValueError("ParallelLMHead does not support a bias")
         # An untied head is only ever multiplied by, so it takes the GEMM-friendly layout; a tied
         # head shares the row-major embedding table (tie_to) instead.
         self.weight = new_weight(self.num_embeddings_per_partition, embedding_dim)
         self.weight.weight_loader = self.weight_loader
+        self.bias = (nn.Parameter(torch.zeros(self.num_embeddings_per_partition), requires_grad=False) if bias
+                     else None)
+        if self.bias is not None:
+            self.bias.weight_loader = self.weight_loader
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Share the embedding matrix (tie_word_embeddings): one parameter, loaded once."""
         self.weight = embedding.weight
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        logits = F.linear(hidden_states, self.weight)
+        logits = F.linear(hidden_states, self.weight, self.bias)
         logits = distributed.gather(logits, dim=-1)
         if logits is None:
             return None

@@ -67,6 +67,31 @@ class LayerNorm(RMSNorm):
         return self._norm(x), x
 
 
+class LayerNorm1P(LayerNorm):
+    """Nemotron's LayerNorm1P: the checkpoint stores w and the norm scales by (1 + w); the parameter
+    holds 1 + w, computed in the parameter's dtype as transformers adds it."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
+        super().__init__(hidden_size, eps)
+        self.weight.weight_loader = self.weight_plus_one_loader
+
+    def weight_plus_one_loader(self, param: nn.Parameter, loaded: WeightLike,
+                               shard_id: int | str | None = None) -> None:
+        copy_into(param, materialize(loaded).to(param.dtype) + 1.0)
+
+
+class ParameterFreeLayerNorm(LayerNorm):
+    """OLMo's LayerNorm without a weight or a bias, computed in fp32 and cast back (transformers'
+    OlmoLayerNorm)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
+        super().__init__(hidden_size, eps, bias=False)
+        self.weight = None  # (no parameters)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.float(), x.shape[-1:], None, None, self.eps).to(x.dtype)
+
+
 class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: the checkpoint stores w and the norm scales by (1 + w), all in fp32 before
     the cast back (Llama's casts first, then scales). The parameter holds 1 + w in fp32, so the fp32

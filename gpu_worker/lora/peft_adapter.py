@@ -21,7 +21,10 @@ from pathlib import Path
 import torch
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                  "qkv_proj", "gate_up_proj", "c_fc", "c_proj")  # (the last two: StarCoder2's MLP)
+                  "qkv_proj", "gate_up_proj",
+                  "c_fc", "c_proj",  # (StarCoder2's MLP)
+                  "dense", "fc1", "fc2",  # (Phi's o_proj and MLP)
+                  "query_key_value", "dense_h_to_4h", "dense_4h_to_h")  # (GPT-NeoX's qkv_proj and MLP)
 _PREFIX = "base_model.model."
 _A, _B = ".lora_A.weight", ".lora_B.weight"
 # adapter_config.json settings that change what the adapter computes, and are not served.

@@ -1,6 +1,9 @@
 """Decoders of the classic transformer's LayerNorms (with biases): BigCode's StarCoder2
-(Starcoder2ForCausalLM: starcoder2-3b / 7b / 15b) and Stability's StableLM (StableLmForCausalLM:
-stablelm-2-1_6b, stablelm-2-12b, stablelm-3b-4e1t, stablelm-zephyr).
+(Starcoder2ForCausalLM: starcoder2-3b / 7b / 15b), Stability's StableLM (StableLmForCausalLM:
+stablelm-2-1_6b, stablelm-2-12b, stablelm-3b-4e1t, stablelm-zephyr), NVIDIA's Nemotron
+(NemotronForCausalLM: Minitron-4B / 8B, Mistral-NeMo-Minitron-8B, Nemotron-4-340B), Microsoft's Phi
+(PhiForCausalLM: phi-1, phi-1_5, phi-2) and EleutherAI's GPT-NeoX (GPTNeoXForCausalLM: the Pythia
+suite, gpt-neox-20b, dolly-v2, RedPajama-INCITE).
 
 StarCoder2: LayerNorms, biases on every projection (use_bias), an ungated gelu MLP (``c_fc``,
 ``c_proj``), RoPE over whole heads, optionally a sliding window in every layer.
@@ -9,6 +12,21 @@ StableLM: LayerNorms, RoPE over the first quarter of each head (partial_rotary_f
 (use_qkv_bias), a SwiGLU MLP; StableLM 2 12B runs attention and MLP side by side on one normed input
 (use_parallel_residual) and norms each query and key head with weights of its own (qk_layernorm:
 its checkpoint's ``q_layernorm.norms.{head}``, stacked into one tensor per layer at load).
+
+Nemotron: LayerNorms scaling by (1 + w) (LayerNorm1P), RoPE over the first half of each head, an
+ungated relu^2 MLP (up_proj, down_proj), biases under attention_bias (all four projections) and
+mlp_bias.
+
+Phi: one LayerNorm a layer before attention and MLP side by side (fc1, fc2: gelu_new), biases on
+every projection and on the LM head, RoPE over part of each head (0.4 in phi-2), optionally a
+LayerNorm over each query and key head (qk_layernorm); its ``dense`` (o_proj) and ``final_layernorm``
+read under our names.
+
+GPT-NeoX: two LayerNorms a layer, attention and MLP side by side from the same input, each on its
+own norm (use_parallel_residual; in sequence otherwise), q/k/v fused per head in one
+``query_key_value`` (each head's q, k and v rows together: split at load), RoPE over a quarter of
+each head, biases everywhere, an ungated gelu MLP (dense_h_to_4h, dense_4h_to_h); its names
+(``gpt_neox.embed_in``, ``attention``, ``final_layer_norm``, ``embed_out``) read as ours.
 """
 
 from __future__ import annotations
@@ -20,7 +38,7 @@ import torch
 
 from gpu_worker.attn_metadata import AttentionMetadata
 from gpu_worker.config import ModelConfig
-from gpu_worker.layers.layernorm import LayerNorm, RMSNorm
+from gpu_worker.layers.layernorm import LayerNorm, LayerNorm1P, RMSNorm
 from gpu_worker.layers.weight_utils import WeightLike, materialize
 from gpu_worker.models.cohere import HeadLayerNorm
 from gpu_worker.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, UngatedMLP
@@ -97,3 +115,126 @@ class StableLmForCausalLM(LlamaForCausalLM):
                 del pending[(prefix, part)]
         if pending:
             raise ValueError(f"checkpoint lacks some heads' q/k norms: {sorted(pending)}")
+
+
+class NemotronDecoderLayer(LlamaDecoderLayer):
+    norm_class = LayerNorm1P
+    mlp_class = UngatedMLP
+
+
+class NemotronModel(LlamaModel):
+    layer_class = NemotronDecoderLayer
+
+
+class NemotronForCausalLM(LlamaForCausalLM):
+    model_class = NemotronModel
+
+
+class PhiMLP(UngatedMLP):
+    in_name, out_name = "fc1", "fc2"
+
+
+class PhiDecoderLayer(LlamaDecoderLayer):
+    norm_class = LayerNorm
+    mlp_class = PhiMLP
+
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
+        super().__init__(config, layer)
+        self.post_attention_layernorm = None  # (one norm a layer)
+
+    def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.parallel_forward(rope, hidden, residual, meta)
+
+
+class PhiModel(LlamaModel):
+    layer_class = PhiDecoderLayer
+
+
+def _rename(name: str, renames: tuple[tuple[str, str], ...]) -> str:
+    """A checkpoint's name with each of its parts in ``renames`` (theirs, ours) renamed, in order."""
+    for theirs, ours in renames:
+        name = name.replace(theirs, ours)
+    return name
+
+
+class PhiForCausalLM(LlamaForCausalLM):
+    model_class = PhiModel
+    lm_head_bias = True
+    _RENAMES = ((".self_attn.dense.", ".self_attn.o_proj."), ("model.final_layernorm.", "model.norm."),
+                (".self_attn.q_layernorm.", ".self_attn.q_norm."), (".self_attn.k_layernorm.", ".self_attn.k_norm."))
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
+        return ((_rename(name, self._RENAMES), tensor) for name, tensor in weights)
+
+    def lora_module_name(self, module: str) -> str:
+        """An adapter's module as ours (Phi's ``self_attn.dense`` is our o_proj)."""
+        return _rename(f"{module}.", self._RENAMES)[:-1]
+
+
+class GPTNeoXMLP(UngatedMLP):
+    in_name, out_name = "dense_h_to_4h", "dense_4h_to_h"
+
+
+class GPTNeoXDecoderLayer(LlamaDecoderLayer):
+    norm_class = LayerNorm
+    mlp_class = GPTNeoXMLP
+
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
+        super().__init__(config, layer)
+        self.parallel = bool(config.raw.get("use_parallel_residual", True))
+
+    def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.parallel:
+            return super().forward(rope, hidden, residual, meta)
+        # x + attention(norm_1(x)) + mlp(norm_2(x)), x the layer's input.
+        if residual is None:
+            residual, normed = hidden, self.input_layernorm.forward(hidden)
+        else:
+            normed, residual = self.input_layernorm.forward(hidden, residual)
+        mlp_input = self.post_attention_layernorm.forward(residual)
+        return self.self_attn.forward(rope, normed, meta) + self.mlp.forward(mlp_input), residual
+
+
+class GPTNeoXModel(LlamaModel):
+    layer_class = GPTNeoXDecoderLayer
+
+
+class GPTNeoXForCausalLM(LlamaForCausalLM):
+    model_class = GPTNeoXModel
+    _RENAMES = (("gpt_neox.", "model."), ("embed_out.", "lm_head."), ("model.embed_in.", "model.embed_tokens."),
+                ("model.final_layer_norm.", "model.norm."), (".attention.dense.", ".self_attn.o_proj."),
+                (".attention.", ".self_attn."))
+    _QKV = re.compile(r"(.+\.self_attn\.)query_key_value\.(weight|bias)")
+    # (The causal-mask buffers older checkpoints saved.)
+    _MASKS = (".attention.bias", ".attention.masked_bias")
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
+        """GPT-NeoX's names as ours (``embed_out``, its head, is transformers' ``lm_head``), and each
+        layer's fused ``query_key_value`` ([heads, (q, k, v), head_dim] rows) split into q, k and v."""
+        for name, tensor in weights:
+            if name.endswith(self._MASKS):
+                continue
+            name = _rename(name, self._RENAMES)
+            match = self._QKV.fullmatch(name)
+            if match is None:
+                yield name, tensor
+                continue
+            q, k, v = self._per_head_qkv(materialize(tensor))
+            for part, rows in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
+                yield f"{match.group(1)}{part}.{match.group(2)}", rows
+
+    def _per_head_qkv(self, fused: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Rows of [heads, (q, k, v), head_dim] (a weight, a bias or a LoRA B) as q's, k's and v's."""
+        heads, head_dim = self.config.num_attention_heads, self.config.head_dim
+        per_head = fused.view(heads, 3, head_dim, *fused.shape[1:])
+        return tuple(per_head[:, i].reshape(heads * head_dim, *fused.shape[1:]) for i in range(3))
+
+    def lora_module_name(self, module: str) -> str:
+        """An adapter's module as ours (``query_key_value``: our fused qkv_proj)."""
+        return _rename(f"{module}.", self._RENAMES).replace(".query_key_value.", ".qkv_proj.")[:-1]
+
+    def lora_b_rows(self, module: str, b: torch.Tensor) -> torch.Tensor:
+        """An adapter's B on query_key_value, its rows in our qkv_proj's order (q's, k's, v's)."""
+        return torch.cat(self._per_head_qkv(b)) if module.endswith(".self_attn.qkv_proj") else b

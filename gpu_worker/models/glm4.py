@@ -2,7 +2,8 @@
 Llama's attention with q/k/v biases (none on o_proj) and RoPE over the first half of each head, and
 two more norms a layer: one on the attention's output and one on the MLP's, each before its residual
 add (``post_self_attn_layernorm``, ``post_mlp_layernorm``; ``post_attention_layernorm`` is the norm
-before the MLP, as in Llama).
+before the MLP, as in Llama). The first GLM-4 release (GlmForCausalLM: glm-4-9b-chat-hf, glm-4-9b-hf,
+glm-edge) is the same without those two norms.
 
 Its RoPE turns pairs of neighbouring values (GPT-J's) where Llama's turns halves: each head's rotary
 rows of the query and key projections (and of a LoRA adapter's B) are reordered into halves as they
@@ -42,9 +43,7 @@ class Glm4Model(LlamaModel):
     layer_class = Glm4DecoderLayer
 
 
-class Glm4ForCausalLM(PairedRopeForCausalLM):
-    model_class = Glm4Model
-
+class GlmForCausalLM(PairedRopeForCausalLM):
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         return super().checkpoint_tensors(self._split_gate_up(weights))
 
@@ -55,3 +54,7 @@ class Glm4ForCausalLM(PairedRopeForCausalLM):
                 yield from gate_and_up(name, tensor)
             else:
                 yield name, tensor
+
+
+class Glm4ForCausalLM(GlmForCausalLM):
+    model_class = Glm4Model

@@ -62,6 +62,9 @@ class LlamaAttention(nn.Module):
         self.k_norm = norm_class(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         # SmolLM3's NoPE layers attend without positions.
         self.rotates = not config.rope_layers or config.rope_layers[layer]
+        # OLMo's and OLMoE's clip_qkv: q, k (after their norms) and v clamped to [-clip, clip].
+        clip = config.raw.get("clip_qkv")
+        self.clip_qkv = None if clip is None else float(clip)
 
     def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """``rope``: (cos, sin) of each token's position, and under Llama 4's attention temperature
@@ -69,6 +72,8 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj.forward(hidden)
         if self.q_norm is None:
+            if self.clip_qkv is not None:
+                qkv = qkv.clamp_(-self.clip_qkv, self.clip_qkv)
             # q and k are adjacent in the fused output: rotate them as one tensor of heads.
             qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads,
                                                            self.head_dim)
@@ -77,6 +82,9 @@ class LlamaAttention(nn.Module):
             k = self.k_norm.forward(qkv[:, self.q_size: self.q_size + self.kv_size].reshape(
                 num_tokens, self.num_kv_heads, self.head_dim))
             qk = torch.cat((q, k), dim=1)
+            if self.clip_qkv is not None:  # (after the norms, v alike)
+                qk.clamp_(-self.clip_qkv, self.clip_qkv)
+                qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
         if self.rotates:
             RotaryEmbedding.rotate_(qk, rope[0], rope[1])
         q = qk[:, : self.num_heads]
@@ -374,6 +382,8 @@ class LlamaForCausalLM(nn.Module):
     }
     # The decoder stack (Gemma's differs).
     model_class: type[nn.Module] = LlamaModel
+    # Whether the LM head adds a bias to each token's logit (Phi-2's).
+    lm_head_bias = False
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -385,7 +395,7 @@ class LlamaForCausalLM(nn.Module):
         # An embedding-only model has no head (its checkpoint may carry one: it is not loaded); nor has
         # a pipeline stage before the last.
         self.lm_head = (None if config.embedding_only or not stage.last
-                        else ParallelLMHead(config.vocab_size, config.hidden_size))
+                        else ParallelLMHead(config.vocab_size, config.hidden_size, bias=self.lm_head_bias))
         if config.tie_word_embeddings and self.lm_head is not None:
             self.lm_head.tie_to(self.model.embed_tokens)
         # A classifier's head (transformers' *ForSequenceClassification / *ForTokenClassification
@@ -600,6 +610,12 @@ class Glm4MoeForCausalLM(SkipsMtpLayers, LlamaForCausalLM):
     """GLM-4.5 / 4.6 / 4.7 and GLM-4.5-Air: the Llama block with q/k/v biases, RoPE over half of each
     head, optional q/k norms, dense MLPs in the first layers and then routed experts beside ungated
     shared ones, chosen by sigmoid scores through a correction bias (SparseMoeBlock)."""
+
+
+class Dots1ForCausalLM(LlamaForCausalLM):
+    """rednote's dots.llm1 (dots.llm1.base / .inst): Qwen3's attention (per-head q/k norms) with
+    DeepSeek-V3's experts: dense MLPs in the first layers, then routed experts beside shared ones,
+    chosen by sigmoid scores through a correction bias (SparseMoeBlock)."""
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):

@@ -1,4 +1,6 @@
-"""OLMo 2 (Olmo2ForCausalLM: OLMo-2 1B / 7B / 13B / 32B), OLMoE (OlmoeForCausalLM: Llama's layers with
+"""OLMo (OlmoForCausalLM: OLMo-1B-hf, OLMo-7B-hf, OLMo-7B-0424 / 0724-hf: the Llama block with
+LayerNorms of no parameters, and q, k and v clamped to [-clip_qkv, clip_qkv] where the config says),
+OLMo 2 (Olmo2ForCausalLM: OLMo-2 1B / 7B / 13B / 32B), OLMoE (OlmoeForCausalLM: Llama's layers with
 these q/k norms and routed experts) and OLMo 3 (Olmo3ForCausalLM: OLMo 2's layers with
 a sliding window on three layers of four, which rotate with plain RoPE of their own: ModelConfig's
 local_rope_theta): the Llama block with two changes.
@@ -20,10 +22,22 @@ from torch import nn
 from gpu_worker import distributed
 from gpu_worker.attn_metadata import AttentionMetadata
 from gpu_worker.config import ModelConfig
-from gpu_worker.layers.layernorm import RMSNorm
+from gpu_worker.layers.layernorm import ParameterFreeLayerNorm, RMSNorm
 from gpu_worker.layers.linear import tp_rank_and_size
 from gpu_worker.layers.weight_utils import WeightLike, copy_into
 from gpu_worker.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+
+
+class OlmoDecoderLayer(LlamaDecoderLayer):
+    norm_class = ParameterFreeLayerNorm
+
+
+class OlmoModel(LlamaModel):
+    layer_class = OlmoDecoderLayer
+
+
+class OlmoForCausalLM(LlamaForCausalLM):
+    model_class = OlmoModel
 
 
 class ProjectionRMSNorm(nn.Module):

@@ -8,14 +8,20 @@ from gpu_worker.config import ModelConfig
 from gpu_worker.models.arcee import ArceeForCausalLM
 from gpu_worker.models.bert import BertModel, RobertaModel
 from gpu_worker.models.bert_rope import JinaEmbeddingsV3Model, RopeBertModel
-from gpu_worker.models.classic import StableLmForCausalLM, Starcoder2ForCausalLM
+from gpu_worker.models.classic import (
+    GPTNeoXForCausalLM,
+    NemotronForCausalLM,
+    PhiForCausalLM,
+    StableLmForCausalLM,
+    Starcoder2ForCausalLM,
+)
 from gpu_worker.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
 from gpu_worker.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from gpu_worker.models.eagle import EAGLE_HEADS
 from gpu_worker.models.falcon_h1 import FalconH1ForCausalLM
 from gpu_worker.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from gpu_worker.models.gemma3_vl import Gemma3VLForConditionalGeneration
-from gpu_worker.models.glm4 import Glm4ForCausalLM
+from gpu_worker.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
 from gpu_worker.models.gpt_oss import GptOssForCausalLM
 from gpu_worker.models.idefics3 import Idefics3ForConditionalGeneration
 from gpu_worker.models.internvl import internvl_class
@@ -24,6 +30,7 @@ from gpu_worker.models.language_model_only import language_model_class
 from gpu_worker.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM
 from gpu_worker.models.llama import (
     BambaForCausalLM,
+    Dots1ForCausalLM,
     Glm4MoeForCausalLM,
     GraniteForCausalLM,
     GraniteMoeForCausalLM,
@@ -52,7 +59,13 @@ from gpu_worker.models.nemotron_h import (
     MambaForCausalLM,
     NemotronHForCausalLM,
 )
-from gpu_worker.models.olmo2 import Exaone4ForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM
+from gpu_worker.models.olmo2 import (
+    Exaone4ForCausalLM,
+    Olmo2ForCausalLM,
+    Olmo3ForCausalLM,
+    OlmoeForCausalLM,
+    OlmoForCausalLM,
+)
 from gpu_worker.models.paired_rope import Ernie4_5_MoeForCausalLM, Ernie4_5ForCausalLM, HeliumForCausalLM
 from gpu_worker.models.pixtral import pixtral_class
 from gpu_worker.models.qwen2_vl import Qwen2VLForConditionalGeneration
@@ -113,6 +126,12 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
     "StableLmForCausalLM": StableLmForCausalLM,
     "Llama4ForCausalLM": Llama4ForCausalLM,
+    "GlmForCausalLM": GlmForCausalLM,
+    "NemotronForCausalLM": NemotronForCausalLM,
+    "OlmoForCausalLM": OlmoForCausalLM,
+    "PhiForCausalLM": PhiForCausalLM,
+    "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
+    "Dots1ForCausalLM": Dots1ForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
     "Mamba2ForCausalLM": Mamba2ForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,

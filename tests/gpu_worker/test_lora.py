@@ -361,11 +361,16 @@ def test_an_adapter_on_glm4_gives_pefts_tokens(tmp_path):
 
 @pytest.mark.parametrize("kind, targets", [("arcee", ("q_proj", "up_proj", "down_proj")),
                                            ("starcoder2", ("v_proj", "c_fc", "c_proj")),
-                                           ("llama4", ("q_proj", "k_proj", "gate_proj", "up_proj", "down_proj"))])
-def test_adapters_on_ungated_mlps_and_llama4s_feed_forward_give_pefts_tokens(tmp_path, kind, targets):
-    """Arcee's and StarCoder2's ungated MLPs (their projections looked up where LoRA wraps them), and
-    Llama 4's feed_forward (our mlp: its dense layers' and its shared expert's projections; q and k
-    rows reordered from RoPE's pairs): each adapter gives PEFT's tokens."""
+                                           ("llama4", ("q_proj", "k_proj", "gate_proj", "up_proj", "down_proj")),
+                                           ("phi", ("q_proj", "k_proj", "dense", "fc1", "fc2")),
+                                           ("gpt_neox", ("query_key_value", "dense", "dense_h_to_4h",
+                                                         "dense_4h_to_h"))])
+def test_adapters_on_ungated_mlps_and_renamed_projections_give_pefts_tokens(tmp_path, kind, targets):
+    """Arcee's, StarCoder2's, Phi's and GPT-NeoX's ungated MLPs (their projections looked up where LoRA
+    wraps them), projections of other names (Llama 4's feed_forward: our mlp, its dense layers' and
+    its shared expert's; Phi's and GPT-NeoX's dense: our o_proj), GPT-NeoX's query_key_value (B's rows
+    of each head's q, k and v reordered as our qkv_proj's), q and k rows reordered from RoPE's pairs
+    (Llama 4): each adapter gives PEFT's tokens."""
     base = save_tiny_model(tmp_path / "base", kind, vocab_size=251)
     save_adapter(base, tmp_path / "a", seed=9, targets=targets)
     adapters, prompts, expected = _adapter_a_expectations(base, tmp_path, adapter_seed=9, prompt_seed=19,

@@ -193,6 +193,26 @@ CASES = {
     "stablelm": ("stablelm", {}),
     "stablelm_2_12b_style_mqa": ("stablelm", {"use_parallel_residual": True, "qk_layernorm": True,
                                               "num_key_value_heads": 1}),
+    # Nemotron (LayerNorm1P, half of each head rotating, relu^2; with biases, and without, tied), OLMo
+    # (parameter-free LayerNorms; q, k and v clamped, and not), Phi (attention beside the MLP, 0.4 of
+    # each head rotating, a biased head; per-head q/k LayerNorms and grouped KV heads, tied), GPT-NeoX
+    # (side by side on two norms; in sequence, without attention biases, half of each head rotating).
+    "nemotron": ("nemotron", {}),
+    "nemotron_no_bias_tied": ("nemotron", {"attention_bias": False, "mlp_bias": False, "tie_word_embeddings": True}),
+    "olmo_clip_qkv": ("olmo", {}),
+    "olmo_unclipped": ("olmo", {"clip_qkv": None}),
+    "phi": ("phi", {}),
+    "phi_qk_layernorm_gqa_tied": ("phi", {"qk_layernorm": True, "tie_word_embeddings": True}),
+    "gpt_neox": ("gpt_neox", {}),
+    "gpt_neox_sequential_no_attention_bias": ("gpt_neox", {"use_parallel_residual": False, "attention_bias": False,
+                                                           "rotary_pct": 0.5}),
+    # GLM-4-9B (GlmForCausalLM): GLM-4's attention and fused MLP without the extra norms.
+    "glm": ("glm", {}),
+    # dots.llm1: grouped sigmoid routing through the correction bias, renormalised and scaled; ungrouped,
+    # not renormalised, with a window of 8 on its second layer.
+    "dots1": ("dots1", {}),
+    "dots1_ungrouped_windowed": ("dots1", {"norm_topk_prob": False, "n_group": 1, "topk_group": 1,
+                                           "sliding_window": 8, "max_window_layers": 1}),
     "exaone4": ("exaone4", {}),
     "exaone4_no_window": ("exaone4", {"sliding_window": None, "layer_types": ["full_attention"] * 4}),
     # Zamba2: Mamba-2 layers, three of them running two shared blocks in turn with their own adapters
@@ -405,7 +425,9 @@ def test_registry_maps_architectures(tmp_path):
                                    "Cohere2ForCausalLM", "Glm4ForCausalLM", "SeedOssForCausalLM",
                                    "HeliumForCausalLM", "Ernie4_5ForCausalLM", "ArceeForCausalLM",
                                    "Exaone4ForCausalLM", "Ernie4_5_MoeForCausalLM", "Starcoder2ForCausalLM",
-                                   "StableLmForCausalLM", "Llama4ForCausalLM", "BertModel", "RobertaModel",
+                                   "StableLmForCausalLM", "Llama4ForCausalLM", "GlmForCausalLM",
+                                   "NemotronForCausalLM", "OlmoForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM",
+                                   "Dots1ForCausalLM", "BertModel", "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
     assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES) | set(ENCODER_ARCHITECTURES.values())
     assert get_model_class("Qwen2ForCausalLM") is Qwen2ForCausalLM
@@ -883,14 +905,83 @@ def test_minimax_m2_config_as_released():
         ModelConfig.from_dict({**released, "attn_type_list": [0, 1] * 31})
 
 
-def test_olmoe_with_clip_qkv_is_refused():
+def test_olmoe_config_defaults():
     base = {"architectures": ["OlmoeForCausalLM"], "hidden_size": 64, "intermediate_size": 32,
             "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 256}
     config = ModelConfig.from_dict(base)
     assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (64, 8, 32)
     assert not config.norm_topk_prob and config.rms_norm_eps == 1e-5
-    with pytest.raises(ValueError, match="clip_qkv"):
-        ModelConfig.from_dict({**base, "clip_qkv": 8.0})
+
+
+def test_olmoe_clips_q_k_and_v_after_its_norms(tmp_path):
+    """OLMoE's clip_qkv clamps the normed q and k (and v): the same logits as transformers."""
+    path = save_tiny_model(tmp_path, "olmoe", clip_qkv=0.5)
+    hf = load_hf(path)
+    runner = make_runner(path, num_blocks=16, block_size=4)
+    prompt = [(5 * i + 1) % 256 for i in range(20)]
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    ours = prefill_logits(runner, prompt, [3, 1, 4, 0, 2])
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+    unclipped = prefill_logits(make_runner(save_tiny_model(tmp_path / "plain", "olmoe"), num_blocks=16, block_size=4),
+                               prompt, [3, 1, 4, 0, 2])
+    assert (unclipped - ours).abs().max() > 1e-2  # (the clamp binds at this width)
+
+
+def test_classic_configs_as_released():
+    """Pythia's, phi-2's, Minitron's, OLMo's, GLM-4-9B's and dots.llm1's configs as their checkpoints
+    state them (transformers 4's key names), read as transformers reads them."""
+    pythia = {"architectures": ["GPTNeoXForCausalLM"], "hidden_size": 512, "intermediate_size": 2048,
+              "num_hidden_layers": 6, "num_attention_heads": 8, "vocab_size": 50304, "rotary_pct": 0.25,
+              "rotary_emb_base": 10000, "layer_norm_eps": 1e-5, "use_parallel_residual": True,
+              "hidden_act": "gelu", "max_position_embeddings": 2048, "tie_word_embeddings": False}
+    config = ModelConfig.from_dict(pythia)
+    assert (config.head_dim, config.rotary_dim, config.num_key_value_heads) == (64, 16, 8)
+    assert config.qkv_bias and config.o_proj_bias and config.mlp_bias and config.hidden_act == "gelu"
+    assert ModelConfig.from_dict({**pythia, "rotary_pct": 1.0, "rotary_emb_base": 50000}).rotary_dim == 64
+    assert ModelConfig.from_dict({**pythia, "rotary_emb_base": 50000}).rope_theta == 50000.0
+    assert not ModelConfig.from_dict({**pythia, "attention_bias": False}).qkv_bias
+    assert ModelConfig.from_dict({**pythia, "hidden_act": "gelu_fast"}).hidden_act == "gelu_fast"
+    with pytest.raises(ValueError, match="hidden_act must be one of"):
+        ModelConfig.from_dict({**pythia, "hidden_act": "silu"})
+    phi2 = {"architectures": ["PhiForCausalLM"], "hidden_size": 2560, "intermediate_size": 10240,
+            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 51200,
+            "partial_rotary_factor": 0.4, "layer_norm_eps": 1e-5, "hidden_act": "gelu_new", "qk_layernorm": False,
+            "rope_theta": 10000.0, "max_position_embeddings": 2048}
+    config = ModelConfig.from_dict(phi2)
+    assert (config.rotary_dim, config.rms_norm_eps, config.qk_norm) == (32, 1e-5, False)
+    assert config.qkv_bias and config.o_proj_bias and config.mlp_bias
+    assert ModelConfig.from_dict({**phi2, "qk_layernorm": True}).qk_norm
+    minitron = {"architectures": ["NemotronForCausalLM"], "hidden_size": 4096, "intermediate_size": 16384,
+                "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                "vocab_size": 256000, "norm_eps": 1e-5, "partial_rotary_factor": 0.5, "hidden_act": "relu2",
+                "rope_theta": 10000, "max_position_embeddings": 8192}
+    config = ModelConfig.from_dict(minitron)
+    assert (config.rotary_dim, config.hidden_act, config.qkv_bias, config.mlp_bias) == (64, "relu2", False, False)
+    assert ModelConfig.from_dict({k: v for k, v in minitron.items() if k != "partial_rotary_factor"}).rotary_dim == 64
+    olmo = {"architectures": ["OlmoForCausalLM"], "hidden_size": 4096, "intermediate_size": 11008,
+            "num_hidden_layers": 32, "num_attention_heads": 32, "vocab_size": 50304, "clip_qkv": 8.0}
+    assert ModelConfig.from_dict(olmo).rms_norm_eps == 1e-5
+    glm = {"architectures": ["GlmForCausalLM"], "hidden_size": 4096, "intermediate_size": 13696,
+           "num_hidden_layers": 40, "num_attention_heads": 32, "vocab_size": 151552}
+    config = ModelConfig.from_dict(glm)
+    assert (config.head_dim, config.rotary_dim, config.num_key_value_heads) == (128, 64, 2)
+    assert config.qkv_bias and not config.o_proj_bias and config.eos_token_ids == (151329, 151336, 151338)
+    dots = {"architectures": ["Dots1ForCausalLM"], "hidden_size": 4096, "intermediate_size": 10944,
+            "moe_intermediate_size": 1408, "num_hidden_layers": 62, "num_attention_heads": 32,
+            "num_key_value_heads": 32, "vocab_size": 152064, "n_routed_experts": 128, "num_experts_per_tok": 6,
+            "n_shared_experts": 2, "first_k_dense_replace": 1, "norm_topk_prob": True,
+            "routed_scaling_factor": 2.5, "sliding_window": None, "max_window_layers": 62}
+    config = ModelConfig.from_dict(dots)
+    assert (config.num_experts, config.num_experts_per_tok, config.shared_expert_intermediate_size) == (128, 6, 2816)
+    assert config.qk_norm and config.moe_scoring == "sigmoid" and config.moe_correction_bias
+    assert config.moe_layers[:2] == (False, True) and config.sliding_window is None
+    assert not ModelConfig.from_dict({**dots, "norm_topk_prob": None}).norm_topk_prob  # (transformers' default)
+    windowed = ModelConfig.from_dict({**dots, "sliding_window": 4096, "max_window_layers": 60})
+    assert windowed.sliding_window == 4096 and windowed.sliding_window_layers == (False,) * 60 + (True,) * 2
+    assert ModelConfig.from_dict({**dots, "sliding_window": 4096}).sliding_window is None  # (no layer from 62)
+    with pytest.raises(ValueError, match="must state n_shared_experts"):
+        ModelConfig.from_dict({k: v for k, v in dots.items() if k != "n_shared_experts"})
 
 
 def test_olmo3_with_longrope_is_refused():

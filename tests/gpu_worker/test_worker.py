@@ -105,10 +105,14 @@ def _drive(workers_execute, prompts: dict[str, list[int]], num_blocks: int, spec
     ("ernie4_5_moe", {"moe_num_shared_experts": 2}, True),
     ("stablelm", {"use_parallel_residual": True, "qk_layernorm": True}, False),
     ("llama4", {"num_local_experts": 8}, True),
+    ("gpt_neox", {}, False),
+    ("phi", {"qk_layernorm": True}, False),
+    ("dots1", {}, True),
 ], ids=["llama", "qwen2_moe", "qwen2_moe_expert_parallel", "gemma2", "gpt_oss", "gpt_oss_expert_parallel", "olmo2",
         "glm4_moe", "glm4_moe_expert_parallel", "deepseek_v3", "deepseek_v2_expert_parallel", "olmoe_expert_parallel",
         "granitemoe_expert_parallel", "minimax_m2", "cohere_qk_norm", "glm4", "exaone4",
-        "ernie4_5_moe_expert_parallel", "stablelm_2_12b_style", "llama4_expert_parallel"])
+        "ernie4_5_moe_expert_parallel", "stablelm_2_12b_style", "llama4_expert_parallel",
+        "gpt_neox", "phi_qk_layernorm", "dots1_expert_parallel"])
 def test_tp2_over_gloo_equals_tp1(tmp_path, kind, overrides, expert_parallel):
     """Qwen2-MoE: each rank holds half of every expert (or, with expert parallelism, half of the
     experts whole) and half of the shared expert; one all-reduce per layer sums their outputs.
@@ -118,7 +122,8 @@ def test_tp2_over_gloo_equals_tp1(tmp_path, kind, overrides, expert_parallel):
     head replicated on both). GLM-4.5: the fp32 router and its correction bias replicated, the
     ungated shared expert split by width. DeepSeek: each rank its heads' query, latent-to-key/value
     and output rows, the latent's projection and the cache's one row per token on both. Command-R+:
-    each rank its query heads' norm weights, the one KV head's on both. (Cohere's weights drawn wider,
+    each rank its query heads' norm weights, the one KV head's on both. GPT-NeoX: each rank its heads'
+    rows of the per-head fused query_key_value. (Cohere's weights drawn wider,
     0.3: with the default the tiny model's greedy answers repeat nothing for n-gram drafts to find.)
     ERNIE 4.5 MoE: half of the experts whole on each rank, the fp32 router and its correction bias on
     both, the two shared experts (one MLP twice as wide) split by width. Llama 4: half of the experts
@@ -138,10 +143,11 @@ def test_tp2_over_gloo_equals_tp1(tmp_path, kind, overrides, expert_parallel):
     expected = _drive(tp1.execute_model, prompts, 40)
 
     with two_tp_ranks(path, **kwargs) as (ranks, execute):
-        # The single KV head is replicated, so a rank's block is as large as a TP=1 block.
+        # The single KV head is replicated, so a rank's block is as large as a TP=1 block (GPT-NeoX has a
+        # KV head per query head, split between the ranks: half as large).
         num_blocks = ray.get([w.determine_num_blocks.remote(4, None, 40 * tp1.bytes_per_block(4) + 1)
                               for w in ranks])
-        assert num_blocks == [40, 40]
+        assert num_blocks == [80, 80] if kind == "gpt_neox" else [40, 40]
         ray.get([w.initialize_cache.remote(40, 4) for w in ranks])
         if expert_parallel:
             def first_expert(worker):

@@ -18,6 +18,7 @@ from transformers import (
     CohereConfig,
     DeepseekV2Config,
     DeepseekV3Config,
+    Dots1Config,
     Ernie4_5_MoeConfig,
     Ernie4_5Config,
     Exaone4Config,
@@ -29,6 +30,8 @@ from transformers import (
     GemmaConfig,
     Glm4Config,
     Glm4MoeConfig,
+    GlmConfig,
+    GPTNeoXConfig,
     GptOssConfig,
     GraniteConfig,
     GraniteMoeConfig,
@@ -45,11 +48,14 @@ from transformers import (
     Ministral3Config,
     MistralConfig,
     MixtralConfig,
+    NemotronConfig,
     NemotronHConfig,
     Olmo2Config,
     Olmo3Config,
+    OlmoConfig,
     OlmoeConfig,
     Phi3Config,
+    PhiConfig,
     Qwen2Config,
     Qwen2MoeConfig,
     Qwen3Config,
@@ -271,6 +277,31 @@ def make_config(kind: str = "llama", **overrides):
     if kind == "stablelm":
         return StableLmConfig(**{"use_qkv_bias": True, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
                                  **kw})
+    # Nemotron: LayerNorms scaling by 1 + w, RoPE over half of each head, an ungated relu^2 MLP, biases on
+    # all of it. OLMo: parameter-free LayerNorms, q, k and v clamped to [-0.5, 0.5] (about their spread
+    # here). Phi: attention beside the MLP on one LayerNorm, RoPE over 0.4 of each 16-dim head, a biased
+    # head; per-head q/k LayerNorms where qk_layernorm. GPT-NeoX: attention and MLP side by side on norms
+    # of their own, RoPE over a quarter of each 16-dim head, q/k/v fused per head.
+    if kind == "nemotron":
+        return NemotronConfig(**{"attention_bias": True, "mlp_bias": True, "pad_token_id": 0, "bos_token_id": 1,
+                                 "eos_token_id": 2, **kw})
+    if kind == "olmo":
+        return OlmoConfig(**{"clip_qkv": 0.5, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
+    if kind == "phi":
+        return PhiConfig(**{"partial_rotary_factor": 0.4, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+                            **kw})
+    if kind == "gpt_neox":
+        kw.pop("num_key_value_heads")
+        return GPTNeoXConfig(**{"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
+    # dots.llm1: Qwen3's attention (per-head q/k norms), a dense first layer, then 8 experts (2 a token,
+    # sigmoid scores through the correction bias, in 4 groups of which 2 are kept) beside 2 shared ones.
+    if kind == "dots1":
+        return Dots1Config(**{"n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 2,
+                              "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 4, "topk_group": 2,
+                              "norm_topk_prob": True, "routed_scaling_factor": 2.5, "sliding_window": None,
+                              "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
+    if kind == "glm":
+        return GlmConfig(**{"head_dim": 16, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
     # Llama 4 (text): rotating layers (L2 q/k norms, attending within chunks of 8 tokens) but every
     # second, whose queries take the temperature past a floor_scale of 8 positions; 4 experts (1 a
     # token, its weight on the input) beside a shared one in every second layer, a dense MLP twice as
@@ -413,6 +444,11 @@ def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides)
             if kind in ("qwen3_next", "qwen3_5", "qwen3_5_moe") and name.endswith(("layernorm.weight", "q_norm.weight",
                                                                     "k_norm.weight", "model.norm.weight")):
                 param.normal_(0.0, 0.5)
+            # (Nemotron's LayerNorm1P weights start at 0 for a scale of 1: drawn apart, so a scale of w
+            # alone or a norm skipped shows; Phi's and GPT-NeoX's, to tell their norms apart.)
+            if kind in ("nemotron", "phi", "gpt_neox") and name.endswith(("layernorm.weight", "norm.weight",
+                                                                         "layer_norm.weight")):
+                param.normal_(0.0 if kind == "nemotron" else 1.0, 0.3 if kind == "nemotron" else 0.5)
             if name.endswith(("mamba.norm.weight", "mixer.norm.weight")) or (kind == "nemotron_h"
                                                                              and name.endswith("norm.weight")):
                 param.uniform_(0.5, 1.5)
