@@ -76,7 +76,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "HeliumForCausalLM", "Ernie4_5ForCausalLM", "ArceeForCausalLM", "Exaone4ForCausalLM",
                            "Ernie4_5_MoeForCausalLM", "Starcoder2ForCausalLM", "StableLmForCausalLM",
                            "Llama4ForCausalLM", "GlmForCausalLM", "NemotronForCausalLM", "OlmoForCausalLM",
-                           "PhiForCausalLM", "GPTNeoXForCausalLM", "Dots1ForCausalLM")
+                           "PhiForCausalLM", "GPTNeoXForCausalLM", "Dots1ForCausalLM", "GPT2LMHeadModel",
+                           "GPTBigCodeForCausalLM", "GPTJForCausalLM", "OPTForCausalLM", "FalconForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -144,14 +145,17 @@ GPT_OSS_ROPE_DEFAULTS = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
 PARTIAL_ROTARY_ARCHITECTURES = ("Phi3ForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Qwen3NextForCausalLM",
                                 "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "BambaForCausalLM", "Glm4ForCausalLM",
                                 "StableLmForCausalLM", "GlmForCausalLM", "NemotronForCausalLM", "PhiForCausalLM",
-                                "GPTNeoXForCausalLM")
+                                "GPTNeoXForCausalLM", "GPTJForCausalLM")
+# The GPT family's configs (GPT-2's key names: n_embd, n_layer, ...): GPT-2, GPTBigCode, GPT-J.
+GPT_ARCHITECTURES = ("GPT2LMHeadModel", "GPTBigCodeForCausalLM", "GPTJForCausalLM")
 # Families of LayerNorms (with their epsilon under layer_norm_eps, norm_epsilon or norm_eps).
 LAYER_NORM_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM", "Starcoder2ForCausalLM", "StableLmForCausalLM",
                             "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM")
 # Those whose MLP is ungated (one projection in, one out), and the activations served there (the
 # tanh forms of gelu under three names: gelu_new, gelu_fast, gelu_pytorch_tanh).
-UNGATED_MLP_ARCHITECTURES = ("Starcoder2ForCausalLM", "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM")
-UNGATED_ACTIVATIONS = ("relu2", "gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh")
+UNGATED_MLP_ARCHITECTURES = ("Starcoder2ForCausalLM", "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM",
+                             *GPT_ARCHITECTURES, "OPTForCausalLM", "FalconForCausalLM")
+UNGATED_ACTIVATIONS = ("relu", "relu2", "gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh")
 # transformers' Qwen3NextConfig defaults for the keys a Qwen3-Next config may leave out.
 QWEN3_NEXT_DEFAULTS = {"head_dim": 256, "partial_rotary_factor": 0.25, "linear_conv_kernel_dim": 4,
                        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
@@ -1229,6 +1233,97 @@ def _gpt_neox_config(cfg: dict[str, Any]) -> dict[str, Any]:
             "num_key_value_heads": cfg.get("num_attention_heads")}
 
 
+# GPT-2's names of the config keys (GPT-2, GPTBigCode and GPT-J configs) -> the other families'.
+_GPT_KEYS = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
+             "n_positions": "max_position_embeddings", "n_inner": "intermediate_size",
+             "layer_norm_epsilon": "rms_norm_eps", "activation_function": "hidden_act"}
+# transformers' defaults for the keys a config of the GPT family may leave out.
+_GPT_DEFAULTS = {
+    "GPT2LMHeadModel": {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12,
+                        "activation_function": "gelu_new", "tie_word_embeddings": True},
+    "GPTBigCodeForCausalLM": {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12,
+                              "activation_function": "gelu_pytorch_tanh", "tie_word_embeddings": True},
+    "GPTJForCausalLM": {"vocab_size": 50400, "n_positions": 2048, "n_embd": 4096, "n_layer": 28, "n_head": 16,
+                        "rotary_dim": 64, "activation_function": "gelu_new", "tie_word_embeddings": False},
+}
+
+
+def _gpt_config(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """A GPT-2, GPTBigCode or GPT-J config in the other families' key names, as transformers reads it:
+    its defaults, an MLP 4 x n_embd wide where n_inner is unset, biases on every projection (GPT-J's
+    attention has none), GPTBigCode's one KV head under multi_query, GPT-J's rotary_dim as a share of
+    each head (the whole head where unset)."""
+    cfg = {**_GPT_DEFAULTS[arch], "layer_norm_epsilon": 1e-5, **{k: v for k, v in cfg.items() if v is not None}}
+    cfg = {**cfg, **{ours: cfg[theirs] for theirs, ours in _GPT_KEYS.items() if theirs in cfg}}
+    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    cfg.setdefault("intermediate_size", 4 * hidden)
+    if arch == "GPTJForCausalLM":
+        rotary = cfg.get("rotary_dim")
+        return {**cfg, "partial_rotary_factor": int(rotary) / (hidden // heads) if rotary else 1.0,
+                "attention_bias": False, "mlp_bias": True, "num_key_value_heads": heads}
+    if cfg.get("scale_attn_by_inverse_layer_idx"):
+        raise ValueError(f"scale_attn_by_inverse_layer_idx (scores scaled down by each layer's number) is not "
+                         f"served for {arch}")
+    multi_query = arch == "GPTBigCodeForCausalLM" and bool(cfg.get("multi_query", True))
+    return {**cfg, "attention_bias": True, "mlp_bias": True, "num_key_value_heads": 1 if multi_query else heads}
+
+
+# transformers' OPTConfig defaults for the keys a config may leave out.
+_OPT_DEFAULTS = {"vocab_size": 50272, "hidden_size": 768, "num_hidden_layers": 12, "ffn_dim": 3072,
+                 "max_position_embeddings": 2048, "num_attention_heads": 12, "activation_function": "relu",
+                 "enable_bias": True, "tie_word_embeddings": True}
+
+
+def _opt_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """An OPT config in the other families' key names (ffn_dim, activation_function, enable_bias), as
+    transformers reads it; opt-350m's layout (norms after each sublayer, embeddings projected in and
+    out) refused."""
+    cfg = {**_OPT_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
+    refused = {"do_layer_norm_before": (True, "norms after each sublayer (opt-350m's)"),
+               "_remove_final_layer_norm": (False, "no final norm"),
+               "layer_norm_elementwise_affine": (True, "LayerNorms without weights"),
+               "word_embed_proj_dim": (cfg["hidden_size"], "embeddings projected in and out (opt-350m's)")}
+    for key, (served, what) in refused.items():
+        if cfg.get(key, served) != served:
+            raise ValueError(f"OPTForCausalLM with {key}={cfg[key]!r} ({what}) is not served")
+    heads, bias = int(cfg["num_attention_heads"]), bool(cfg["enable_bias"])
+    return {**cfg, "intermediate_size": cfg["ffn_dim"], "hidden_act": cfg["activation_function"],
+            "attention_bias": bias, "mlp_bias": bias, "num_key_value_heads": heads, "rms_norm_eps": 1e-5}
+
+
+# transformers' FalconConfig defaults for the keys a config may leave out.
+_FALCON_DEFAULTS = {"vocab_size": 65024, "hidden_size": 4544, "num_hidden_layers": 32, "num_attention_heads": 71,
+                    "layer_norm_epsilon": 1e-5, "multi_query": True, "parallel_attn": True, "bias": False,
+                    "max_position_embeddings": 2048, "activation": "gelu", "tie_word_embeddings": True}
+
+
+def _falcon_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A Falcon config in the other families' key names, as transformers' FalconConfig reads it: its
+    KV heads (num_kv_heads under new_decoder_architecture or without multi_query, else one), its MLP
+    (ffn_hidden_size, 4 x hidden where unset; activation), its biases (bias); ALiBi refused."""
+    cfg = {**_FALCON_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
+    if "n_embed" in cfg:
+        cfg["hidden_size"] = cfg["n_embed"]
+    if cfg.get("alibi"):
+        raise ValueError("FalconForCausalLM with alibi (falcon-rw's position biases) is not served")
+    heads, hidden = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
+    kv = int(cfg.get("num_kv_heads") or heads)
+    kv = kv if cfg.get("new_decoder_architecture") or not cfg["multi_query"] else 1
+    return {**cfg, "num_key_value_heads": kv, "intermediate_size": int(cfg.get("ffn_hidden_size") or 4 * hidden),
+            "hidden_act": cfg["activation"], "attention_bias": bool(cfg["bias"]), "mlp_bias": bool(cfg["bias"]),
+            "rms_norm_eps": float(cfg["layer_norm_epsilon"])}
+
+
+def _learned_positions_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """GPT-2's, GPTBigCode's and OPT's learned positions in place of RoPE (OPT's table from its third
+    row), and GPT-2's unscaled scores where scale_attn_weights is off."""
+    if arch not in ("GPT2LMHeadModel", "GPTBigCodeForCausalLM", "OPTForCausalLM"):
+        return {}
+    return {"learned_positions": True, "rope_layers": (False,) * num_layers,
+            "position_offset": 2 if arch == "OPTForCausalLM" else 0,
+            **({} if cfg.get("scale_attn_weights", True) else {"attention_multiplier": 1.0})}
+
+
 def _zamba2_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """Zyphra's Zamba2 config as transformers' Zamba2Config reads it: its defaults for the keys a
     config leaves out, and what it derives whatever the file says: the shared blocks' attention over
@@ -1614,6 +1709,9 @@ class ModelConfig:
     # Per layer, whether it rotates its queries and keys (empty: every layer does). SmolLM3 leaves
     # every fourth layer without positions (NoPE).
     rope_layers: tuple[bool, ...] = ()
+    # GPT-2, GPTBigCode, OPT: a learned table of a row per position (max_position_embeddings of them,
+    # after position_offset unread ones) added to the token embeddings, in place of RoPE.
+    learned_positions: bool = False
     # Granite: the embeddings times embedding_multiplier, each attention and MLP output times
     # residual_multiplier before its residual add, the scores scaled by attention_multiplier (instead
     # of head_dim ** -0.5), the logits divided by logits_scaling.
@@ -1918,6 +2016,12 @@ class ModelConfig:
             cfg = _exaone4_config(cfg)
         if arch == "GPTNeoXForCausalLM":
             cfg = _gpt_neox_config(cfg)
+        if arch in GPT_ARCHITECTURES:
+            cfg = _gpt_config(arch, cfg)
+        if arch == "OPTForCausalLM":
+            cfg = _opt_config(cfg)
+        if arch == "FalconForCausalLM":
+            cfg = _falcon_config(cfg)
         if arch in LLAMA_LIKE_DEFAULTS:
             cfg = {**LLAMA_LIKE_DEFAULTS[arch], **{k: v for k, v in cfg.items() if v is not None}}
         if arch in LAYER_NORM_ARCHITECTURES:  # (LayerNorms' epsilon)
@@ -2133,6 +2237,7 @@ class ModelConfig:
             **_cohere_fields(arch, cfg),
             **_exaone4_fields(arch, cfg),
             **_llama4_fields(arch, cfg),
+            **_learned_positions_fields(arch, cfg, num_layers),
             **mla,
             # (An encoder's every token has seen the whole prompt: its mean, unless its files say.)
             **({"default_pooling_type": "MEAN"} if always_bidirectional else {}),

@@ -28,10 +28,12 @@ class GeluAndMul(nn.Module):
 
 
 def ungated_activation(name: str):
-    """An ungated MLP's activation for a config's ``hidden_act``: relu(x)^2 (Nemotron-H's, Arcee's), exact
+    """An ungated MLP's activation for a config's ``hidden_act``: relu (OPT's), relu(x)^2 (Nemotron-H's, Arcee's), exact
     gelu, or its tanh form (StarCoder2's gelu_pytorch_tanh, Phi's gelu_new, GPT-NeoX-20B's gelu_fast)."""
     if name == "relu2":
         return lambda x: torch.relu(x).square_()
+    if name == "relu":  # (OPT's)
+        return torch.relu
     if name in ("gelu", "gelu_pytorch_tanh", "gelu_new", "gelu_fast"):
         approximate = "none" if name == "gelu" else "tanh"
         return lambda x: F.gelu(x, approximate=approximate)

@@ -47,6 +47,20 @@ class VocabParallelEmbedding(nn.Module):
         return distributed.all_reduce(out)
 
 
+class PositionEmbedding(nn.Module):
+    """A learned row per position, added to the token embeddings (GPT-2's ``wpe``); whole on every TP
+    rank (a table of positions is small beside the vocabulary's). ``offset``: the table's first rows
+    are never read, position p is row p + offset (OPT's 2)."""
+
+    def __init__(self, num_positions: int, embedding_dim: int, offset: int = 0) -> None:
+        super().__init__()
+        self.offset = offset
+        self.weight = nn.Parameter(torch.empty(num_positions + offset, embedding_dim), requires_grad=False)
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return F.embedding(positions + self.offset if self.offset else positions, self.weight)
+
+
 class ParallelLMHead(VocabParallelEmbedding):
     """Hidden states -> logits. Each rank computes its vocab slice; rank 0 gathers the full row.
     ``bias``: a logit bias per token (Phi-2's head), split as the rows are."""

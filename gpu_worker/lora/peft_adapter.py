@@ -22,7 +22,8 @@ import torch
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                   "qkv_proj", "gate_up_proj",
-                  "c_fc", "c_proj",  # (StarCoder2's MLP)
+                  "c_attn", "c_fc", "c_proj",  # (StarCoder2's MLP; GPT-2's and GPTBigCode's)
+                  "out_proj", "fc_in", "fc_out",  # (GPT-J's)
                   "dense", "fc1", "fc2",  # (Phi's o_proj and MLP)
                   "query_key_value", "dense_h_to_4h", "dense_4h_to_h")  # (GPT-NeoX's qkv_proj and MLP)
 _PREFIX = "base_model.model."
@@ -76,8 +77,8 @@ def read_adapter_config(path: str | Path, max_lora_rank: int) -> dict:
             raise _refuse(path, f"{what} ({key}) is not supported")
     if config.get("bias", "none") != "none":
         raise _refuse(path, f"trained biases (bias={config.get('bias')!r}) are not supported")
-    if config.get("fan_in_fan_out"):
-        raise _refuse(path, "fan_in_fan_out weights (Conv1D models) are not supported")
+    # (fan_in_fan_out, set for Conv1D modules (GPT-2's), only says how PEFT merges B @ A into a weight
+    # stored [in, out]: its A and B are stored as for a Linear module, and applied so here.)
     if config.get("modules_to_save"):
         raise _refuse(path, f"modules_to_save {config['modules_to_save']!r} (whole trained modules) is not supported")
     init = config.get("init_lora_weights", True)

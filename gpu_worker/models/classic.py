@@ -151,7 +151,7 @@ class PhiModel(LlamaModel):
     layer_class = PhiDecoderLayer
 
 
-def _rename(name: str, renames: tuple[tuple[str, str], ...]) -> str:
+def rename_parts(name: str, renames: tuple[tuple[str, str], ...]) -> str:
     """A checkpoint's name with each of its parts in ``renames`` (theirs, ours) renamed, in order."""
     for theirs, ours in renames:
         name = name.replace(theirs, ours)
@@ -165,11 +165,11 @@ class PhiForCausalLM(LlamaForCausalLM):
                 (".self_attn.q_layernorm.", ".self_attn.q_norm."), (".self_attn.k_layernorm.", ".self_attn.k_norm."))
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
-        return ((_rename(name, self._RENAMES), tensor) for name, tensor in weights)
+        return ((rename_parts(name, self._RENAMES), tensor) for name, tensor in weights)
 
     def lora_module_name(self, module: str) -> str:
         """An adapter's module as ours (Phi's ``self_attn.dense`` is our o_proj)."""
-        return _rename(f"{module}.", self._RENAMES)[:-1]
+        return rename_parts(f"{module}.", self._RENAMES)[:-1]
 
 
 class GPTNeoXMLP(UngatedMLP):
@@ -216,25 +216,27 @@ class GPTNeoXForCausalLM(LlamaForCausalLM):
         for name, tensor in weights:
             if name.endswith(self._MASKS):
                 continue
-            name = _rename(name, self._RENAMES)
+            name = rename_parts(name, self._RENAMES)
             match = self._QKV.fullmatch(name)
             if match is None:
                 yield name, tensor
                 continue
-            q, k, v = self._per_head_qkv(materialize(tensor))
+            q, k, v = self.per_head_qkv(materialize(tensor), self.config.num_attention_heads, self.config.head_dim)
             for part, rows in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
                 yield f"{match.group(1)}{part}.{match.group(2)}", rows
 
-    def _per_head_qkv(self, fused: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    @staticmethod
+    def per_head_qkv(fused: torch.Tensor, heads: int, head_dim: int) -> tuple[torch.Tensor, ...]:
         """Rows of [heads, (q, k, v), head_dim] (a weight, a bias or a LoRA B) as q's, k's and v's."""
-        heads, head_dim = self.config.num_attention_heads, self.config.head_dim
         per_head = fused.view(heads, 3, head_dim, *fused.shape[1:])
         return tuple(per_head[:, i].reshape(heads * head_dim, *fused.shape[1:]) for i in range(3))
 
     def lora_module_name(self, module: str) -> str:
         """An adapter's module as ours (``query_key_value``: our fused qkv_proj)."""
-        return _rename(f"{module}.", self._RENAMES).replace(".query_key_value.", ".qkv_proj.")[:-1]
+        return rename_parts(f"{module}.", self._RENAMES).replace(".query_key_value.", ".qkv_proj.")[:-1]
 
     def lora_b_rows(self, module: str, b: torch.Tensor) -> torch.Tensor:
         """An adapter's B on query_key_value, its rows in our qkv_proj's order (q's, k's, v's)."""
-        return torch.cat(self._per_head_qkv(b)) if module.endswith(".self_attn.qkv_proj") else b
+        if not module.endswith(".self_attn.qkv_proj"):
+            return b
+        return torch.cat(self.per_head_qkv(b, self.config.num_attention_heads, self.config.head_dim))

@@ -23,7 +23,7 @@ from gpu_worker.attn_metadata import AttentionMetadata
 from gpu_worker.config import ModelConfig
 from gpu_worker.layers.activation import gated_activation, ungated_activation
 from gpu_worker.layers.attention import PagedAttention
-from gpu_worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from gpu_worker.layers.embedding import ParallelLMHead, PositionEmbedding, VocabParallelEmbedding
 from gpu_worker.layers.encoder_attention import EncoderAttention
 from gpu_worker.layers.fused_moe import FusedMoE, select_experts, select_experts_grouped
 from gpu_worker.layers.layernorm import RMSNorm
@@ -288,6 +288,8 @@ class PipelineStage:
         missing = [f"model.layers.{i}." for i in range(config.num_hidden_layers) if not self.start <= i < self.end]
         if not self.holds_embedding:
             missing.append("model.embed_tokens.")
+        if not self.first:
+            missing.append("model.embed_positions.")
         if not self.last:
             missing += ["model.norm.", "lm_head."]
         return tuple(missing)
@@ -301,6 +303,10 @@ class LlamaModel(nn.Module):
         self.stage = stage = PipelineStage(config)
         self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size) if stage.holds_embedding
                              else PPMissingLayer())
+        # GPT-2's and OPT's learned positions, added to the first layer's input.
+        self.embed_positions = (PositionEmbedding(config.max_position_embeddings, config.hidden_size,
+                                                  config.position_offset)
+                                if config.learned_positions and stage.first else None)
         self.rotary_emb = RotaryEmbedding(config.rotary_dim or config.head_dim, config.max_context_len,
                                           config.rope_theta, config.rope_scaling,
                                           mrope_section=config.mrope_section,
@@ -340,6 +346,8 @@ class LlamaModel(nn.Module):
         gain values[i] (an image's features from its tower's inner blocks)."""
         if intermediate is None:
             hidden = self.embed_tokens.forward(input_ids) if inputs_embeds is None else inputs_embeds
+            if self.embed_positions is not None:
+                hidden = hidden + self.embed_positions.forward(positions)
             if self.embedding_multiplier != 1.0:
                 hidden = hidden * self.embedding_multiplier
             residual = None

@@ -18,10 +18,12 @@ from gpu_worker.models.classic import (
 from gpu_worker.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
 from gpu_worker.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from gpu_worker.models.eagle import EAGLE_HEADS
+from gpu_worker.models.falcon import FalconForCausalLM
 from gpu_worker.models.falcon_h1 import FalconH1ForCausalLM
 from gpu_worker.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from gpu_worker.models.gemma3_vl import Gemma3VLForConditionalGeneration
 from gpu_worker.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
+from gpu_worker.models.gpt2 import GPT2LMHeadModel, GPTBigCodeForCausalLM, GPTJForCausalLM
 from gpu_worker.models.gpt_oss import GptOssForCausalLM
 from gpu_worker.models.idefics3 import Idefics3ForConditionalGeneration
 from gpu_worker.models.internvl import internvl_class
@@ -66,6 +68,7 @@ from gpu_worker.models.olmo2 import (
     OlmoeForCausalLM,
     OlmoForCausalLM,
 )
+from gpu_worker.models.opt import OPTForCausalLM
 from gpu_worker.models.paired_rope import Ernie4_5_MoeForCausalLM, Ernie4_5ForCausalLM, HeliumForCausalLM
 from gpu_worker.models.pixtral import pixtral_class
 from gpu_worker.models.qwen2_vl import Qwen2VLForConditionalGeneration
@@ -132,6 +135,11 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "PhiForCausalLM": PhiForCausalLM,
     "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
     "Dots1ForCausalLM": Dots1ForCausalLM,
+    "GPT2LMHeadModel": GPT2LMHeadModel,
+    "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
+    "GPTJForCausalLM": GPTJForCausalLM,
+    "OPTForCausalLM": OPTForCausalLM,
+    "FalconForCausalLM": FalconForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
     "Mamba2ForCausalLM": Mamba2ForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,

@@ -206,6 +206,25 @@ CASES = {
     "gpt_neox": ("gpt_neox", {}),
     "gpt_neox_sequential_no_attention_bias": ("gpt_neox", {"use_parallel_residual": False, "attention_bias": False,
                                                            "rotary_pct": 0.5}),
+    # GPT-2 (learned positions, Conv1D weights, fused c_attn; unscaled scores and its own MLP width),
+    # GPTBigCode (multi-query; multi-head, each head's q, k and v together), GPT-J (attention beside the
+    # MLP, RoPE in pairs over half of each head, a biased head; over whole heads, tied).
+    "gpt2": ("gpt2", {}),
+    "gpt2_unscaled_n_inner": ("gpt2", {"scale_attn_weights": False, "n_inner": 96}),
+    "gpt_bigcode": ("gpt_bigcode", {}),
+    "gpt_bigcode_multi_head": ("gpt_bigcode", {"multi_query": False}),
+    "gptj": ("gptj", {}),
+    "gptj_whole_heads_tied": ("gptj", {"rotary_dim": 16, "tie_word_embeddings": True}),
+    # Falcon: falcon-7b (multi-query, one norm for attention beside the MLP), falcon-40b (KV heads in
+    # groups, a norm each side), falcon-11B (grouped, one norm), attention then MLP with per-head q/k/v.
+    "falcon_7b_style": ("falcon", {}),
+    "falcon_40b_style": ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 2}),
+    "falcon_11b_style": ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 2,
+                                    "num_ln_in_parallel_attn": 1}),
+    "falcon_sequential_multi_head": ("falcon", {"parallel_attn": False, "multi_query": False, "bias": False}),
+    # OPT (learned positions from the table's third row, relu; without biases, untied).
+    "opt": ("opt", {}),
+    "opt_no_bias_untied": ("opt", {"enable_bias": False, "tie_word_embeddings": False}),
     # GLM-4-9B (GlmForCausalLM): GLM-4's attention and fused MLP without the extra norms.
     "glm": ("glm", {}),
     # dots.llm1: grouped sigmoid routing through the correction bias, renormalised and scaled; ungrouped,
@@ -292,7 +311,7 @@ def test_config_rejects_unsupported():
     base = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 256}
     with pytest.raises(ValueError, match="architecture"):
-        ModelConfig.from_dict({**base, "architectures": ["GPT2LMHeadModel"]})
+        ModelConfig.from_dict({**base, "architectures": ["BloomForCausalLM"]})
     with pytest.raises(ValueError, match="rope_type"):
         ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(ValueError, match="hidden_act"):
@@ -427,7 +446,8 @@ def test_registry_maps_architectures(tmp_path):
                                    "Exaone4ForCausalLM", "Ernie4_5_MoeForCausalLM", "Starcoder2ForCausalLM",
                                    "StableLmForCausalLM", "Llama4ForCausalLM", "GlmForCausalLM",
                                    "NemotronForCausalLM", "OlmoForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM",
-                                   "Dots1ForCausalLM", "BertModel", "RobertaModel",
+                                   "Dots1ForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM", "GPTJForCausalLM",
+                                   "OPTForCausalLM", "FalconForCausalLM", "BertModel", "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
     assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES) | set(ENCODER_ARCHITECTURES.values())
     assert get_model_class("Qwen2ForCausalLM") is Qwen2ForCausalLM
@@ -982,6 +1002,99 @@ def test_classic_configs_as_released():
     assert ModelConfig.from_dict({**dots, "sliding_window": 4096}).sliding_window is None  # (no layer from 62)
     with pytest.raises(ValueError, match="must state n_shared_experts"):
         ModelConfig.from_dict({k: v for k, v in dots.items() if k != "n_shared_experts"})
+
+
+def test_gpt_family_configs_as_released():
+    """gpt2's, starcoder's and gpt-j-6b's configs (GPT-2's key names) read as transformers reads them."""
+    gpt2 = {"architectures": ["GPT2LMHeadModel"], "n_embd": 768, "n_layer": 12, "n_head": 12, "n_ctx": 1024,
+            "n_positions": 1024, "vocab_size": 50257, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5}
+    config = ModelConfig.from_dict(gpt2)
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads) == (768, 12, 12)
+    assert (config.intermediate_size, config.num_key_value_heads, config.max_context_len) == (3072, 12, 1024)
+    assert config.learned_positions and config.rope_layers == (False,) * 12 and config.tie_word_embeddings
+    assert config.qkv_bias and config.o_proj_bias and config.mlp_bias and config.attention_scale == 64 ** -0.5
+    assert ModelConfig.from_dict({**gpt2, "scale_attn_weights": False}).attention_scale == 1.0
+    with pytest.raises(ValueError, match="scale_attn_by_inverse_layer_idx"):
+        ModelConfig.from_dict({**gpt2, "scale_attn_by_inverse_layer_idx": True})
+    with pytest.raises(ValueError, match="hidden_act must be one of"):
+        ModelConfig.from_dict({**gpt2, "activation_function": "quick_gelu"})
+    starcoder = {"architectures": ["GPTBigCodeForCausalLM"], "n_embd": 6144, "n_layer": 40, "n_head": 48,
+                 "n_inner": 24576, "n_positions": 8192, "vocab_size": 49152, "multi_query": True,
+                 "activation_function": "gelu_pytorch_tanh"}
+    config = ModelConfig.from_dict(starcoder)
+    assert (config.num_key_value_heads, config.intermediate_size, config.head_dim) == (1, 24576, 128)
+    assert ModelConfig.from_dict({**starcoder, "multi_query": False}).num_key_value_heads == 48
+    gptj = {"architectures": ["GPTJForCausalLM"], "n_embd": 4096, "n_layer": 28, "n_head": 16, "rotary_dim": 64,
+            "n_positions": 2048, "vocab_size": 50400, "activation_function": "gelu_new", "tie_word_embeddings": False}
+    config = ModelConfig.from_dict(gptj)
+    assert (config.head_dim, config.rotary_dim, config.intermediate_size) == (256, 64, 16384)
+    assert not config.qkv_bias and not config.o_proj_bias and config.mlp_bias and not config.learned_positions
+
+
+def test_opt_configs_as_released():
+    """opt-125m's config read as transformers reads it; opt-350m's layout refused by name."""
+    opt = {"architectures": ["OPTForCausalLM"], "hidden_size": 768, "ffn_dim": 3072, "num_hidden_layers": 12,
+           "num_attention_heads": 12, "vocab_size": 50272, "max_position_embeddings": 2048,
+           "do_layer_norm_before": True, "word_embed_proj_dim": 768, "activation_function": "relu",
+           "enable_bias": True, "_remove_final_layer_norm": False}
+    config = ModelConfig.from_dict(opt)
+    assert (config.intermediate_size, config.hidden_act, config.num_key_value_heads) == (3072, "relu", 12)
+    assert config.learned_positions and config.position_offset == 2 and config.max_context_len == 2048
+    assert config.qkv_bias and config.mlp_bias and config.tie_word_embeddings and config.rms_norm_eps == 1e-5
+    with pytest.raises(ValueError, match="do_layer_norm_before"):
+        ModelConfig.from_dict({**opt, "do_layer_norm_before": False})
+    with pytest.raises(ValueError, match="word_embed_proj_dim"):
+        ModelConfig.from_dict({**opt, "word_embed_proj_dim": 512})
+
+
+def test_falcon_configs_as_released():
+    """falcon-7b's and falcon-40b's configs read as transformers reads them; ALiBi refused."""
+    falcon7b = {"architectures": ["FalconForCausalLM"], "hidden_size": 4544, "num_hidden_layers": 32,
+                "num_attention_heads": 71, "vocab_size": 65024, "multi_query": True, "parallel_attn": True,
+                "bias": False, "alibi": False, "new_decoder_architecture": False, "layer_norm_epsilon": 1e-5}
+    config = ModelConfig.from_dict(falcon7b)
+    assert (config.num_key_value_heads, config.head_dim, config.intermediate_size) == (1, 64, 4 * 4544)
+    assert not config.qkv_bias and config.tie_word_embeddings and config.hidden_act == "gelu"
+    falcon40b = {**falcon7b, "hidden_size": 8192, "num_hidden_layers": 60, "num_attention_heads": 128,
+                 "num_kv_heads": 8, "new_decoder_architecture": True}
+    assert ModelConfig.from_dict(falcon40b).num_key_value_heads == 8
+    assert ModelConfig.from_dict({**falcon7b, "multi_query": False}).num_key_value_heads == 71
+    with pytest.raises(ValueError, match="alibi"):
+        ModelConfig.from_dict({**falcon7b, "alibi": True})
+
+
+def test_opt_125ms_released_names_load(tmp_path):
+    """facebook/opt-125m's checkpoint names its tensors ``decoder.*`` (no "model.", no head: tied)."""
+    path = save_tiny_model(tmp_path, "opt")
+    hf = load_hf(path)
+    saved = load_file(path / "model.safetensors")
+    tensors = {name.removeprefix("model."): tensor for name, tensor in saved.items() if name != "lm_head.weight"}
+    assert "decoder.embed_positions.weight" in tensors and "decoder.layers.0.fc1.weight" in tensors
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    runner = make_runner(path, num_blocks=16, block_size=4)
+    prompt = [(5 * i + 1) % 256 for i in range(20)]
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(prefill_logits(runner, prompt, [3, 1, 4, 0, 2]), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_gpt2s_released_names_and_buffers_load(tmp_path):
+    """openai-community/gpt2's checkpoint names its tensors without "transformer." and keeps each
+    layer's causal-mask buffers (attn.bias, attn.masked_bias): read, the buffers left out."""
+    path = save_tiny_model(tmp_path, "gpt2")
+    hf = load_hf(path)
+    saved = load_file(path / "model.safetensors")
+    tensors = {name.removeprefix("transformer."): tensor for name, tensor in saved.items()}
+    for layer in range(2):
+        tensors[f"h.{layer}.attn.bias"] = torch.tril(torch.ones(1, 1, 256, 256, dtype=torch.bool))
+        tensors[f"h.{layer}.attn.masked_bias"] = torch.tensor(-1e4)
+    assert "wpe.weight" in tensors and "h.0.attn.c_attn.weight" in tensors
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    runner = make_runner(path, num_blocks=16, block_size=4)
+    prompt = [(5 * i + 1) % 256 for i in range(20)]
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(prefill_logits(runner, prompt, [3, 1, 4, 0, 2]), ref, atol=1e-4, rtol=1e-4)
 
 
 def test_olmo3_with_longrope_is_refused():

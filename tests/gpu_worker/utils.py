@@ -22,6 +22,7 @@ from transformers import (
     Ernie4_5_MoeConfig,
     Ernie4_5Config,
     Exaone4Config,
+    FalconConfig,
     FalconH1Config,
     FalconMambaConfig,
     Gemma2Config,
@@ -31,6 +32,9 @@ from transformers import (
     Glm4Config,
     Glm4MoeConfig,
     GlmConfig,
+    GPT2Config,
+    GPTBigCodeConfig,
+    GPTJConfig,
     GPTNeoXConfig,
     GptOssConfig,
     GraniteConfig,
@@ -54,6 +58,7 @@ from transformers import (
     Olmo3Config,
     OlmoConfig,
     OlmoeConfig,
+    OPTConfig,
     Phi3Config,
     PhiConfig,
     Qwen2Config,
@@ -293,6 +298,25 @@ def make_config(kind: str = "llama", **overrides):
     if kind == "gpt_neox":
         kw.pop("num_key_value_heads")
         return GPTNeoXConfig(**{"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
+    # GPT-2: learned positions, Conv1D projections (q, k, v fused in c_attn), an MLP 4 x 64 wide unless
+    # asked. GPTBigCode: multi-query attention (one KV head) unless multi_query is off. GPT-J: attention
+    # beside the MLP on one LayerNorm, RoPE in pairs over the first 8 values of each 16-dim head.
+    _gpt = {"bos_token_id": 1, "eos_token_id": 2,
+            **{k: v for k, v in kw.items() if k not in ("intermediate_size", "num_key_value_heads")}}
+    if kind == "gpt2":
+        return GPT2Config(**_gpt)
+    if kind == "gpt_bigcode":
+        return GPTBigCodeConfig(**_gpt)
+    if kind == "gptj":
+        return GPTJConfig(**{"rotary_dim": 8, **_gpt})
+    # Falcon: falcon-7b's layout (multi-query, attention beside the MLP on one LayerNorm) unless asked
+    # (new_decoder_architecture: 2 KV heads, a norm for each side; or attention then MLP, per-head q/k/v).
+    if kind == "falcon":
+        return FalconConfig(**{"ffn_hidden_size": kw["intermediate_size"], "bias": True, **_gpt})
+    # OPT: learned positions from the table's third row, LayerNorms, biases, an ungated relu MLP.
+    if kind == "opt":
+        return OPTConfig(**{"ffn_dim": kw["intermediate_size"], "init_std": kw["initializer_range"], "pad_token_id": 0,
+                            **{k: v for k, v in _gpt.items() if k != "initializer_range"}})
     # dots.llm1: Qwen3's attention (per-head q/k norms), a dense first layer, then 8 experts (2 a token,
     # sigmoid scores through the correction bias, in 4 groups of which 2 are kept) beside 2 shared ones.
     if kind == "dots1":

@@ -1,0 +1,95 @@
+"""TII's Falcon (FalconForCausalLM: falcon-7b, falcon-40b, falcon-180B, falcon-11B and their instruct
+models): LayerNorms, RoPE over whole heads, an ungated gelu MLP (dense_h_to_4h, dense_4h_to_h),
+biases under ``bias``, the head tied to the embedding. Three layouts:
+
+* falcon-7b: attention and MLP side by side on one LayerNorm (parallel_attn), multi-query attention
+  (one KV head: ``query_key_value`` holds the queries' rows, then the key's, then the value's);
+* falcon-40b / 180B (new_decoder_architecture): attention and MLP side by side, each on its own
+  LayerNorm (``ln_attn``, ``ln_mlp``; one, ``input_layernorm``, under num_ln_in_parallel_attn 1:
+  falcon-11B), num_kv_heads KV heads, ``query_key_value`` grouped by KV head (each group's queries,
+  then its key and its value);
+* neither: attention then MLP, each after its own norm, ``query_key_value`` interleaved per head (each
+  head's q, k and v rows together) without multi_query.
+
+The fused ``query_key_value`` is split into q, k and v at load (a LoRA adapter's B alike). ALiBi
+models (falcon-rw-1b / 7b) are not served: ModelConfig refuses them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from gpu_worker.attn_metadata import AttentionMetadata
+from gpu_worker.config import ModelConfig
+from gpu_worker.layers.weight_utils import WeightLike, materialize
+from gpu_worker.models.classic import GPTNeoXDecoderLayer, GPTNeoXForCausalLM, rename_parts
+from gpu_worker.models.llama import LlamaForCausalLM, LlamaModel
+
+
+class FalconDecoderLayer(GPTNeoXDecoderLayer):
+    """GPT-NeoX's layer (its two norms side by side, or in sequence), with falcon-7b's one norm for
+    both sublayers where the config has a single norm in parallel."""
+
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
+        super().__init__(config, layer)
+        raw = config.raw
+        new = bool(raw.get("new_decoder_architecture"))
+        self.parallel = new or bool(raw.get("parallel_attn", True))
+        self.one_norm = self.parallel and not (new and int(raw.get("num_ln_in_parallel_attn") or 2) == 2)
+        if self.one_norm:
+            self.post_attention_layernorm = None
+
+    def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.one_norm:
+            return self.parallel_forward(rope, hidden, residual, meta)
+        return super().forward(rope, hidden, residual, meta)
+
+
+class FalconModel(LlamaModel):
+    layer_class = FalconDecoderLayer
+
+
+class FalconForCausalLM(LlamaForCausalLM):
+    model_class = FalconModel
+    _RENAMES = (("transformer.word_embeddings.", "model.embed_tokens."), ("transformer.ln_f.", "model.norm."),
+                ("transformer.h.", "model.layers."), (".ln_attn.", ".input_layernorm."),
+                (".ln_mlp.", ".post_attention_layernorm."), (".self_attention.dense.", ".self_attn.o_proj."),
+                (".self_attention.query_key_value.", ".self_attn.query_key_value."))
+    _FUSED = ".self_attn.query_key_value."
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
+        """Falcon's names as ours, its fused query_key_value split into q, k and v."""
+        for name, tensor in weights:
+            name = rename_parts(name, self._RENAMES)
+            if self._FUSED not in name:
+                yield name, tensor
+                continue
+            for part, rows in zip(("q_proj", "k_proj", "v_proj"), self.fused_qkv_parts(materialize(tensor)),
+                                  strict=True):
+                yield name.replace(self._FUSED, f".self_attn.{part}."), rows
+
+    def fused_qkv_parts(self, fused: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Rows of query_key_value (a weight, a bias or a LoRA B) as q's, k's and v's, from the layout
+        the config names."""
+        config = self.config
+        heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        if config.raw.get("new_decoder_architecture"):  # ([kv heads, (its queries, k, v), head_dim] rows)
+            grouped = fused.view(kv_heads, heads // kv_heads + 2, head_dim, *fused.shape[1:])
+            return (grouped[:, :-2].reshape(heads * head_dim, *fused.shape[1:]),
+                    grouped[:, -2].reshape(kv_heads * head_dim, *fused.shape[1:]),
+                    grouped[:, -1].reshape(kv_heads * head_dim, *fused.shape[1:]))
+        if kv_heads == 1:  # (multi-query: the queries' rows, the key's, the value's)
+            return tuple(fused.split([heads * head_dim, head_dim, head_dim]))
+        return GPTNeoXForCausalLM.per_head_qkv(fused, heads, head_dim)
+
+    def lora_module_name(self, module: str) -> str:
+        """An adapter's module as ours (``self_attention.query_key_value``: our fused qkv_proj)."""
+        name = rename_parts(f"{module}.", self._RENAMES)
+        return name.replace(".self_attn.query_key_value.", ".self_attn.qkv_proj.")[:-1]
+
+    def lora_b_rows(self, module: str, b: torch.Tensor) -> torch.Tensor:
+        """An adapter's B on query_key_value, its rows in our qkv_proj's order (q's, k's, v's)."""
+        return torch.cat(self.fused_qkv_parts(b)) if module.endswith(".self_attn.qkv_proj") else b

@@ -1,0 +1,49 @@
+"""Meta's OPT (OPTForCausalLM: opt-125m to opt-66b, and fine-tunes of them): learned positions (the
+table's first two rows never read: position p is row p + 2) added to the token embeddings, LayerNorms
+before attention and MLP, biases on every projection (enable_bias), an ungated relu MLP (fc1, fc2),
+the head tied to the embedding. The checkpoints' ``decoder`` (under ``model.`` or not) and its layers'
+names (self_attn_layer_norm, final_layer_norm, out_proj, fc1 and fc2 beside them) are read as ours.
+
+opt-350m's layout is not served (its norms after each sublayer, do_layer_norm_before false, and its
+embeddings narrower than its layers, word_embed_proj_dim): ModelConfig refuses it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+from gpu_worker.layers.layernorm import LayerNorm
+from gpu_worker.layers.weight_utils import WeightLike
+from gpu_worker.models.classic import PhiMLP, rename_parts
+from gpu_worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+
+
+class OPTDecoderLayer(LlamaDecoderLayer):
+    norm_class = LayerNorm
+    mlp_class = PhiMLP  # (fc1, fc2)
+
+
+class OPTModel(LlamaModel):
+    layer_class = OPTDecoderLayer
+
+
+class OPTForCausalLM(LlamaForCausalLM):
+    model_class = OPTModel
+    _RENAMES = (("model.final_layer_norm.", "model.norm."), (".self_attn_layer_norm.", ".input_layernorm."),
+                (".final_layer_norm.", ".post_attention_layernorm."), (".self_attn.out_proj.", ".self_attn.o_proj."),
+                (".fc1.", ".mlp.fc1."), (".fc2.", ".mlp.fc2."))
+
+    @classmethod
+    def _ours(cls, name: str) -> str:
+        for prefix in ("model.decoder.", "decoder."):
+            if name.startswith(prefix):
+                name = "model." + name[len(prefix):]
+                break
+        return rename_parts(name, cls._RENAMES)
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
+        return ((self._ours(name), tensor) for name, tensor in weights)
+
+    def lora_module_name(self, module: str) -> str:
+        """An adapter's module as ours (``self_attn.out_proj``: o_proj)."""
+        return self._ours(f"{module}.")[:-1]
