@@ -1,11 +1,14 @@
 """llama.cpp's GGUF files of the Llama-like families with their own names and keys: Cohere's Command
 models (command-r, cohere2), GLM-4 (glm4), Seed-OSS (seed_oss), EXAONE 4.0 (exaone4), ERNIE 4.5
-(ernie4_5, ernie4_5-moe) and Arcee's AFM (arcee), read back into their Hugging Face configs and
-tensor names (gpu_worker.gguf_loader does the reading).
+(ernie4_5, ernie4_5-moe), Arcee's AFM (arcee), NVIDIA's Nemotron (nemotron), OLMo (olmo) and
+dots.llm1 (dots1), read back into their Hugging Face configs and tensor names (gpu_worker.gguf_loader
+does the reading).
 
 What llama.cpp's converter does to them, and is undone or read here:
-  * only Arcee's converter (a LlamaModel) permutes the q/k rows into pairs; the others keep HF's
-    order (Cohere's, GLM-4's and ERNIE's already turn pairs; EXAONE's and Seed-OSS's halves);
+  * only Arcee's and OLMo's converters permute the q/k rows into pairs; the others keep HF's order
+    (Cohere's, GLM-4's and ERNIE's already turn pairs; the others' halves);
+  * Nemotron's LayerNorm1P weights are stored as 1 + w (undone by the loader), its rotary width in
+    rope.dimension_count; OLMo's norms have no tensors, its clip_qkv is attention.clamp_kqv;
   * Cohere's norms are LayerNorms (attention.layer_norm_epsilon), its logits scaled (logit_scale);
     Cohere2's files state its window but not its layer pattern (llama.cpp: three windowed of four,
     the same as transformers'), and its converter dropped its all-zero biases;
@@ -16,7 +19,8 @@ What llama.cpp's converter does to them, and is undone or read here:
     post_ffw_norm, its windowed layers a per-layer list (attention.sliding_window_pattern);
   * ERNIE 4.5 MoE's experts stacked (ffn_*_exps), its shared experts ffn_*_shexp, its correction bias
     exp_probs_b.bias, its dense leading layers and MoE interval in their own keys; its MTP layers are
-    dropped by the converter.
+    dropped by the converter; dots.llm1's likewise (DeepSeek-V3's routing: the groups, the weights'
+    scale and renormalisation in expert_group_*, expert_weights_scale and expert_weights_norm).
 """
 
 from __future__ import annotations
@@ -33,9 +37,12 @@ LLAMA_LIKE_ARCHITECTURES = {
     "ernie4_5": ("Ernie4_5ForCausalLM", "ernie4_5"),
     "ernie4_5-moe": ("Ernie4_5_MoeForCausalLM", "ernie4_5_moe"),
     "arcee": ("ArceeForCausalLM", "arcee"),
+    "nemotron": ("NemotronForCausalLM", "nemotron"),
+    "olmo": ("OlmoForCausalLM", "olmo"),
+    "dots1": ("Dots1ForCausalLM", "dots1"),
 }
 # Model types whose files hold Llama's permuted q/k rows.
-LLAMA_LIKE_PERMUTED_QK = ("arcee",)
+LLAMA_LIKE_PERMUTED_QK = ("arcee", "olmo")
 # Block tensor names that differ from Llama's, per model type (merged over the loader's Llama names).
 LLAMA_LIKE_BLOCK_NAMES: dict[str, dict[str, str]] = {
     "glm4": {"post_attention_norm": "post_self_attn_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -45,6 +52,9 @@ LLAMA_LIKE_BLOCK_NAMES: dict[str, dict[str, str]] = {
     "ernie4_5_moe": {"ffn_gate_inp": "mlp.gate", "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
                      "ffn_up_shexp": "mlp.shared_experts.up_proj", "ffn_down_shexp": "mlp.shared_experts.down_proj",
                      "exp_probs_b": "mlp.moe_statics.e_score_correction_bias"},
+    "dots1": {"ffn_gate_inp": "mlp.gate", "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+              "ffn_up_shexp": "mlp.shared_experts.up_proj", "ffn_down_shexp": "mlp.shared_experts.down_proj",
+              "exp_probs_b": "mlp.gate.e_score_correction_bias"},
 }
 
 
@@ -92,6 +102,24 @@ def llama_like_config(meta: dict[str, Any], arch: str, config: dict[str, Any], t
         return {"sliding_window": int(window), "layer_types": _window_layers(pattern, layers, 4)}
     if arch == "arcee":
         return {"hidden_act": "relu2"}
+    if arch == "nemotron":  # (its rotary width counted in hidden / heads, as its converter computes it)
+        heads = int(config["num_attention_heads"])
+        return {"norm_eps": read_float(meta.get(f"{arch}.attention.layer_norm_epsilon", 1e-5)), "hidden_act": "relu2",
+                "partial_rotary_factor": int(rotary) / (int(config["hidden_size"]) // heads) if rotary else 0.5,
+                "mlp_bias": _has(tensor_names, ".ffn_up.bias")}
+    if arch == "olmo":
+        clamp = meta.get(f"{arch}.attention.clamp_kqv")
+        return {"clip_qkv": None if clamp is None else read_float(clamp)}
+    if arch == "dots1":
+        return {"n_routed_experts": int(meta[f"{arch}.expert_count"]),
+                "num_experts_per_tok": int(meta[f"{arch}.expert_used_count"]),
+                "moe_intermediate_size": int(meta[f"{arch}.expert_feed_forward_length"]),
+                "n_shared_experts": int(meta.get(f"{arch}.expert_shared_count", 0)),
+                "first_k_dense_replace": int(meta.get(f"{arch}.leading_dense_block_count", 0)),
+                "routed_scaling_factor": read_float(meta.get(f"{arch}.expert_weights_scale", 1.0)),
+                "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", False)),
+                "n_group": int(meta.get(f"{arch}.expert_group_count", 1) or 1),
+                "topk_group": int(meta.get(f"{arch}.expert_group_used_count", 1) or 1), "sliding_window": None}
     # ERNIE 4.5: biases on every projection or none (use_bias).
     biased = _has(tensor_names, ".attn_q.bias")
     extra = {"use_bias": biased, "mlp_bias": biased}

@@ -50,6 +50,7 @@ from gguf import GGUFReader, GGUFValueType, ReaderField, ReaderTensor
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 
+from gpu_worker.gguf_classic import CLASSIC_ARCHITECTURES, classic_config, classic_tensors
 from gpu_worker.gguf_falcon_h1 import FALCON_H1_ARCHITECTURES, FALCON_H1_NAMES, falcon_h1_config
 from gpu_worker.gguf_granite import GRANITE_ARCHITECTURES, GRANITE_MODEL_TYPES, GraniteTensors, granite_config
 from gpu_worker.gguf_llama_like import (
@@ -82,7 +83,9 @@ logger = logging.getLogger(__name__)
 #    Falcon-H1's (falcon-h1), Mamba / Falcon-Mamba's (mamba) and Mamba-2's (mamba2).
 # 8: Cohere's (command-r, cohere2), GLM-4's (glm4), Seed-OSS's, EXAONE 4.0's, ERNIE 4.5's (ernie4_5,
 #    ernie4_5-moe) and Arcee's files.
-CONVERTER_VERSION = 8
+# 9: Phi's (phi2), GPT-NeoX's (gptneox), GPT-2's (gpt2), GPTBigCode's (starcoder), Nemotron's
+#    (nemotron), OLMo's (olmo) and dots.llm1's (dots1) files.
+CONVERTER_VERSION = 9
 CACHE_ENV_VAR = "LLM_CLUSTER_CACHE_DIR"
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 
@@ -151,8 +154,11 @@ _ARCHITECTURES = {
     **MAMBA1_ARCHITECTURES,
     **MAMBA2_ARCHITECTURES,
     **LLAMA_LIKE_ARCHITECTURES,
+    **CLASSIC_ARCHITECTURES,
 }
 _MIXTRAL = ("MixtralForCausalLM", "mixtral")
+# (The HF architectures of the classic families' files: their tensors renamed by gguf_classic.)
+CLASSIC_HF = {hf for hf, _ in CLASSIC_ARCHITECTURES.values()}
 _PERMUTED_QK_MODEL_TYPES = ("llama", "mixtral", "nemotron_h", *GRANITE_MODEL_TYPES, *LLAMA_LIKE_PERMUTED_QK)
 # Mixture-of-experts files convert for these; their stacked experts (ffn_{gate,up,down}_exps:
 # [experts, rows, columns]; older Mixtral files: one tensor per expert, ffn_{gate,up,down}.E) become each
@@ -161,6 +167,7 @@ _QWEN_EXPERTS = ("mlp.experts", {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "u
 _EXPERT_NAMES = {"mixtral": ("block_sparse_moe.experts", {"ffn_gate_exps": "w1", "ffn_up_exps": "w3",
                                                           "ffn_down_exps": "w2"}),
                  "qwen2_moe": _QWEN_EXPERTS, "qwen3_moe": _QWEN_EXPERTS, "ernie4_5_moe": _QWEN_EXPERTS,
+                 "dots1": _QWEN_EXPERTS,
                  "lfm2_moe": ("feed_forward.experts", {"ffn_gate_exps": "w1", "ffn_up_exps": "w3",
                                                        "ffn_down_exps": "w2"})}
 # Their routers (ffn_gate_inp), Qwen2-MoE's shared expert and its sigmoid gate, LFM2-MoE's expert bias.
@@ -386,6 +393,8 @@ def build_hf_config(reader: GGUFReader, dtype: torch.dtype = torch.float32,
         del config["max_position_embeddings"]  # (the file's 2^20 is a placeholder; Mamba states no length)
     elif arch in LLAMA_LIKE_ARCHITECTURES:
         config.update(llama_like_config(meta, arch, config, tensor_names, _float32))
+    elif arch in CLASSIC_ARCHITECTURES:
+        config.update(classic_config(meta, arch, config, tensor_names, _float32))
     elif experts:
         config.update(_experts_config(meta, arch, experts, tensors))
     if arch in NEMOTRON_H_ARCHITECTURES or arch in MAMBA1_ARCHITECTURES or arch in MAMBA2_ARCHITECTURES:
@@ -553,7 +562,9 @@ def _hf_tensors(
                else None)
     family_names = _FAMILY_NAMES.get(config["model_type"])
     convert = (granite.convert if granite is not None
-               else functools.partial(rename_hybrid_tensor, names=family_names) if family_names is not None else None)
+               else functools.partial(rename_hybrid_tensor, names=family_names) if family_names is not None
+               else functools.partial(classic_tensors, config=config) if config["architectures"][0] in CLASSIC_HF
+               else None)
     for tensor in tensors:
         if tensor.name == _ROPE_FREQS:
             continue  # (read into the config's rope scaling)
@@ -571,8 +582,9 @@ def _hf_tensors(
             for name, converted in convert(tensor.name, array):
                 yield name, torch.from_numpy(np.ascontiguousarray(converted)).to(dtype)
             continue
-        if config["model_type"].startswith("gemma") and tensor.name.endswith("norm.weight"):
-            array -= 1.0  # (llama.cpp stored Gemma's 1 + w)
+        if (config["model_type"].startswith("gemma") or config["model_type"] == "nemotron") \
+                and tensor.name.endswith("norm.weight"):
+            array -= 1.0  # (llama.cpp stored Gemma's and Nemotron's 1 + w)
         if tensor.name.endswith(".shortconv.conv.weight"):
             array = array[:, None, :]  # (llama.cpp squeezed LFM2's Conv1d weight [channels, 1, taps])
         if tensor.name.endswith(".ffn_gate_inp_shexp.weight"):

@@ -1,5 +1,6 @@
 """Tiny GGUFs of the Llama-like families with their own names and keys (Cohere's, GLM-4's, Seed-OSS's,
-EXAONE 4.0's, ERNIE 4.5's, Arcee's), written as llama.cpp's converter writes them, for loader tests."""
+EXAONE 4.0's, ERNIE 4.5's, Arcee's, Nemotron's, OLMo's, dots.llm1's), written as llama.cpp's converter
+writes them, for loader tests."""
 
 from __future__ import annotations
 
@@ -36,7 +37,13 @@ LLAMA_LIKE_KINDS = {
                                       "mlp.shared_experts.up_proj": "ffn_up_shexp",
                                       "mlp.shared_experts.down_proj": "ffn_down_shexp"}),
     "arcee": ("arcee", {}),
+    "nemotron": ("nemotron", {}),
+    "olmo": ("olmo", {}),
+    "dots1": ("dots1", {"mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
+                        "mlp.shared_experts.down_proj": "ffn_down_shexp"}),
 }
+# Those whose converter is a LlamaModel's (q/k rows permuted into pairs).
+_PERMUTED = ("arcee", "olmo")
 
 
 def tiny_llama_like(kind: str, seed: int = 0, **overrides) -> PreTrainedModel:
@@ -50,18 +57,20 @@ def _gguf_tensors(model: PreTrainedModel, kind: str) -> dict[str, np.ndarray]:
     config, (_, renamed) = model.config, LLAMA_LIKE_KINDS[kind]
     block_names = {**_HF_TO_GGUF_BLOCK, **renamed}
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
+           "model.norm.bias": "output_norm.bias", "lm_head.weight": "output.weight"}
     out: dict[str, np.ndarray] = {}
     for hf_name, data in state_arrays(model, out):
         if hf_name in top:
-            out[top[hf_name]] = data
+            out[top[hf_name]] = data + (1.0 if kind == "nemotron" and hf_name == "model.norm.weight" else 0.0)
             continue
         _, _, layer, *rest = hf_name.split(".")
         module, part = ".".join(rest[:-1]), rest[-1]
-        if module == "mlp.gate.moe_statics":  # (ERNIE's correction bias, [1, experts]: a vector)
+        if module == "mlp.gate.moe_statics" or part == "e_score_correction_bias":  # (ERNIE's [1, experts])
             out[f"blk.{layer}.exp_probs_b.bias"] = data.reshape(-1)
             continue
-        if kind == "arcee" and module in ("self_attn.q_proj", "self_attn.k_proj"):  # (a LlamaModel converter)
+        if kind == "nemotron" and part == "weight" and module.endswith("layernorm"):  # (its converter's 1 + w)
+            data = data + 1.0
+        if kind in _PERMUTED and module in ("self_attn.q_proj", "self_attn.k_proj"):
             heads = config.num_attention_heads if module.endswith("q_proj") else config.num_key_value_heads
             data = llama_cpp_permute(data, config.num_attention_heads, heads)
         out[f"blk.{layer}.{block_names[module]}.{part}"] = data
@@ -74,7 +83,7 @@ def write_tiny_llama_like_gguf(path: Path, model: PreTrainedModel, kind: str,
     rows permuted; Cohere2's window but not its pattern; EXAONE's pattern as a per-layer list)."""
     config, (arch, _) = model.config, LLAMA_LIKE_KINDS[kind]
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    eps = getattr(config, "rms_norm_eps", None) or config.layer_norm_eps
+    eps = getattr(config, "rms_norm_eps", None) or getattr(config, "layer_norm_eps", None) or 1e-5
     writer = start_gguf(path, arch, f"tiny-{kind}", config.num_hidden_layers, config.max_position_embeddings,
                         config.hidden_size, config.intermediate_size, config.num_attention_heads,
                         config.num_key_value_heads, eps)
@@ -91,6 +100,22 @@ def write_tiny_llama_like_gguf(path: Path, model: PreTrainedModel, kind: str,
         writer.add_sliding_window(config.sliding_window)
     if kind == "exaone4" and config.sliding_window:
         writer.add_sliding_window_pattern([t == "sliding_attention" for t in config.layer_types])
+    if kind == "nemotron":
+        writer.add_layer_norm_eps(config.norm_eps)
+    if kind == "olmo":
+        writer.add_layer_norm_eps(1e-5)
+        if config.clip_qkv is not None:
+            writer.add_clamp_kqv(config.clip_qkv)
+    if kind == "dots1":
+        writer.add_expert_count(config.n_routed_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        writer.add_expert_shared_count(config.n_shared_experts)
+        writer.add_leading_dense_block_count(config.first_k_dense_replace)
+        writer.add_expert_group_count(config.n_group)
+        writer.add_expert_group_used_count(config.topk_group)
+        writer.add_expert_weights_scale(config.routed_scaling_factor)
+        writer.add_expert_weights_norm(config.norm_topk_prob)
     if kind == "ernie4_5_moe":
         writer.add_expert_count(config.moe_num_experts)
         writer.add_expert_used_count(config.moe_k)

@@ -1,0 +1,127 @@
+"""llama.cpp's GGUF files of the classic families whose checkpoints name their tensors otherwise than
+Llama's: Phi (phi2), GPT-NeoX (gptneox), GPT-2 (gpt2) and GPTBigCode (starcoder), read back into their
+Hugging Face configs and tensor names (gpu_worker.gguf_loader does the reading).
+
+What llama.cpp's converter does to them, and is undone or read here:
+  * no q/k rows are permuted (llama.cpp rotates these families' halves, as transformers does);
+  * their norms are LayerNorms with biases (attention.layer_norm_epsilon), the rotary width of Phi's
+    and GPT-NeoX's heads is rope.dimension_count (none written: a base of 10000), the MLP's width is
+    4 x n_embd for Phi, GPT-2 and GPTBigCode whatever the config said;
+  * GPT-NeoX's fused query_key_value, each head's q, k and v rows together in the checkpoint, is
+    written as all q rows, then k's, then v's (attn_qkv): put back per head; its parallel residual is
+    use_parallel_residual;
+  * GPT-2's Conv1D weights ([in, out]) are written transposed: transposed back; its learned positions
+    are position_embd; GPTBigCode's files state one KV head (multi-query);
+  * Phi's head has a bias (output.bias); a phi-2 file of Microsoft's first layout holds q, k and v as
+    one attn_qkv (split into the three).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+# GGUF general.architecture -> HF (architecture, model_type).
+CLASSIC_ARCHITECTURES = {
+    "phi2": ("PhiForCausalLM", "phi"),
+    "gptneox": ("GPTNeoXForCausalLM", "gpt_neox"),
+    "gpt2": ("GPT2LMHeadModel", "gpt2"),
+    "starcoder": ("GPTBigCodeForCausalLM", "gpt_bigcode"),
+}
+
+
+@dataclass(frozen=True)
+class ClassicNames:
+    """A family's checkpoint names for llama.cpp's: its top-level tensors, its layers' prefix, its
+    layers' parts."""
+
+    top_level: dict[str, str]
+    layers: str
+    block: dict[str, str]
+
+
+_GPT2_NAMES = ClassicNames(
+    top_level={"token_embd": "transformer.wte", "position_embd": "transformer.wpe", "output_norm": "transformer.ln_f",
+               "output": "lm_head"},
+    layers="transformer.h",
+    block={"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj", "ffn_norm": "ln_2",
+           "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"})
+_NAMES = {
+    "phi": ClassicNames(
+        top_level={"token_embd": "model.embed_tokens", "output_norm": "model.final_layernorm", "output": "lm_head"},
+        layers="model.layers",
+        block={"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+               "attn_v": "self_attn.v_proj", "attn_output": "self_attn.dense", "ffn_up": "mlp.fc1",
+               "ffn_down": "mlp.fc2"}),
+    "gpt_neox": ClassicNames(
+        top_level={"token_embd": "gpt_neox.embed_in", "output_norm": "gpt_neox.final_layer_norm",
+                   "output": "embed_out"},
+        layers="gpt_neox.layers",
+        block={"attn_norm": "input_layernorm", "attn_qkv": "attention.query_key_value",
+               "attn_output": "attention.dense", "ffn_norm": "post_attention_layernorm",
+               "ffn_up": "mlp.dense_h_to_4h", "ffn_down": "mlp.dense_4h_to_h"}),
+    "gpt2": _GPT2_NAMES,
+    "gpt_bigcode": _GPT2_NAMES,
+}
+# GPT-2's Conv1D modules (their weights stored [in, out] in its checkpoints).
+_CONV1D = ("attn_qkv", "attn_output", "ffn_up", "ffn_down")
+
+
+def _rotary_share(meta: dict[str, Any], arch: str, head_dim: int) -> float:
+    rotary = meta.get(f"{arch}.rope.dimension_count")
+    return int(rotary) / head_dim if rotary is not None else 1.0
+
+
+def classic_config(meta: dict[str, Any], arch: str, config: dict[str, Any], tensor_names: set[str],
+                   read_float: Any) -> dict[str, Any]:
+    """The family's own config keys, as its converter wrote them (``read_float``: the loader's reading
+    of a float32 value)."""
+    eps = read_float(meta.get(f"{arch}.attention.layer_norm_epsilon", 1e-5))
+    head_dim = int(config["hidden_size"]) // int(config["num_attention_heads"])
+    if arch == "phi2":
+        partial = _rotary_share(meta, arch, head_dim)
+        return {"layer_norm_eps": eps, "hidden_act": "gelu_new", "partial_rotary_factor": partial,
+                "rope_parameters": {**config["rope_parameters"], "partial_rotary_factor": partial}}
+    if arch == "gptneox":
+        partial = _rotary_share(meta, arch, head_dim)
+        return {"layer_norm_eps": eps, "hidden_act": "gelu", "rotary_pct": partial,
+                "rope_parameters": {**config["rope_parameters"], "partial_rotary_factor": partial},
+                "use_parallel_residual": bool(meta.get(f"{arch}.use_parallel_residual", True)),
+                "attention_bias": any(name.endswith(".attn_qkv.bias") for name in tensor_names)}
+    # GPT-2 and GPTBigCode, in GPT-2's key names.
+    return {"n_embd": config["hidden_size"], "n_layer": config["num_hidden_layers"],
+            "n_head": config["num_attention_heads"], "n_positions": config["max_position_embeddings"],
+            "n_inner": config["intermediate_size"], "layer_norm_epsilon": eps,
+            "activation_function": "gelu_new" if arch == "gpt2" else "gelu_pytorch_tanh",
+            **({"multi_query": int(config["num_key_value_heads"]) == 1} if arch == "starcoder" else {})}
+
+
+def classic_tensors(name: str, array: np.ndarray, config: dict[str, Any]) -> Iterator[tuple[str, np.ndarray]]:
+    """One tensor of a classic family's file (dequantised) under its checkpoint's name, as the
+    checkpoint stores it."""
+    model_type = config["model_type"]
+    names = _NAMES[model_type]
+    parts = name.split(".")
+    if parts[0] != "blk":
+        if parts[0] not in names.top_level:
+            raise ValueError(f"unexpected GGUF tensor {name!r}: no {model_type} equivalent")
+        yield f"{names.top_level[parts[0]]}.{parts[1]}", array
+        return
+    layer, part, kind = parts[1], parts[2], parts[3]
+    prefix = f"{names.layers}.{layer}"
+    if model_type == "phi" and part == "attn_qkv":  # (q, k and v rows in turn, as many heads each)
+        for projection, rows in zip(("q_proj", "k_proj", "v_proj"), np.split(array, 3), strict=True):
+            yield f"{prefix}.self_attn.{projection}.{kind}", rows
+        return
+    if part not in names.block:
+        raise ValueError(f"unexpected GGUF tensor {name!r}: unknown {model_type} block component {part!r}")
+    if model_type == "gpt_neox" and part == "attn_qkv":  # (all q rows, k's, v's -> each head's q, k, v)
+        heads = int(config["num_attention_heads"])
+        per_head = [rows.reshape(heads, -1, *rows.shape[1:]) for rows in np.split(array, 3)]
+        array = np.stack(per_head, axis=1).reshape(array.shape)  # ([heads, 3, head_dim] rows)
+    if model_type == "gpt2" and part in _CONV1D and kind == "weight":
+        array = np.ascontiguousarray(array.T)
+    yield f"{prefix}.{names.block[part]}.{kind}", array
