@@ -42,6 +42,7 @@ from gpu_worker.layers.layernorm import LayerNorm, LayerNorm1P, RMSNorm
 from gpu_worker.layers.weight_utils import WeightLike, materialize
 from gpu_worker.models.cohere import HeadLayerNorm
 from gpu_worker.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, UngatedMLP
+from gpu_worker.models.renamed_checkpoint import RenamedCheckpoint
 
 
 class Starcoder2MLP(UngatedMLP):
@@ -151,25 +152,11 @@ class PhiModel(LlamaModel):
     layer_class = PhiDecoderLayer
 
 
-def rename_parts(name: str, renames: tuple[tuple[str, str], ...]) -> str:
-    """A checkpoint's name with each of its parts in ``renames`` (theirs, ours) renamed, in order."""
-    for theirs, ours in renames:
-        name = name.replace(theirs, ours)
-    return name
-
-
-class PhiForCausalLM(LlamaForCausalLM):
+class PhiForCausalLM(RenamedCheckpoint, LlamaForCausalLM):
     model_class = PhiModel
     lm_head_bias = True
-    _RENAMES = ((".self_attn.dense.", ".self_attn.o_proj."), ("model.final_layernorm.", "model.norm."),
-                (".self_attn.q_layernorm.", ".self_attn.q_norm."), (".self_attn.k_layernorm.", ".self_attn.k_norm."))
-
-    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
-        return ((rename_parts(name, self._RENAMES), tensor) for name, tensor in weights)
-
-    def lora_module_name(self, module: str) -> str:
-        """An adapter's module as ours (Phi's ``self_attn.dense`` is our o_proj)."""
-        return rename_parts(f"{module}.", self._RENAMES)[:-1]
+    renames = ((".self_attn.dense.", ".self_attn.o_proj."), ("model.final_layernorm.", "model.norm."),
+               (".self_attn.q_layernorm.", ".self_attn.q_norm."), (".self_attn.k_layernorm.", ".self_attn.k_norm."))
 
 
 class GPTNeoXMLP(UngatedMLP):
@@ -201,42 +188,13 @@ class GPTNeoXModel(LlamaModel):
     layer_class = GPTNeoXDecoderLayer
 
 
-class GPTNeoXForCausalLM(LlamaForCausalLM):
+class GPTNeoXForCausalLM(RenamedCheckpoint, LlamaForCausalLM):
+    """GPT-NeoX's names as ours (``embed_out``, its head, is transformers' ``lm_head``), and each layer's
+    fused ``query_key_value`` ([heads, (q, k, v), head_dim] rows) split into q, k and v."""
+
     model_class = GPTNeoXModel
-    _RENAMES = (("gpt_neox.", "model."), ("embed_out.", "lm_head."), ("model.embed_in.", "model.embed_tokens."),
-                ("model.final_layer_norm.", "model.norm."), (".attention.dense.", ".self_attn.o_proj."),
-                (".attention.", ".self_attn."))
-    _QKV = re.compile(r"(.+\.self_attn\.)query_key_value\.(weight|bias)")
-    # (The causal-mask buffers older checkpoints saved.)
-    _MASKS = (".attention.bias", ".attention.masked_bias")
-
-    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
-        """GPT-NeoX's names as ours (``embed_out``, its head, is transformers' ``lm_head``), and each
-        layer's fused ``query_key_value`` ([heads, (q, k, v), head_dim] rows) split into q, k and v."""
-        for name, tensor in weights:
-            if name.endswith(self._MASKS):
-                continue
-            name = rename_parts(name, self._RENAMES)
-            match = self._QKV.fullmatch(name)
-            if match is None:
-                yield name, tensor
-                continue
-            q, k, v = self.per_head_qkv(materialize(tensor), self.config.num_attention_heads, self.config.head_dim)
-            for part, rows in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
-                yield f"{match.group(1)}{part}.{match.group(2)}", rows
-
-    @staticmethod
-    def per_head_qkv(fused: torch.Tensor, heads: int, head_dim: int) -> tuple[torch.Tensor, ...]:
-        """Rows of [heads, (q, k, v), head_dim] (a weight, a bias or a LoRA B) as q's, k's and v's."""
-        per_head = fused.view(heads, 3, head_dim, *fused.shape[1:])
-        return tuple(per_head[:, i].reshape(heads * head_dim, *fused.shape[1:]) for i in range(3))
-
-    def lora_module_name(self, module: str) -> str:
-        """An adapter's module as ours (``query_key_value``: our fused qkv_proj)."""
-        return rename_parts(f"{module}.", self._RENAMES).replace(".query_key_value.", ".qkv_proj.")[:-1]
-
-    def lora_b_rows(self, module: str, b: torch.Tensor) -> torch.Tensor:
-        """An adapter's B on query_key_value, its rows in our qkv_proj's order (q's, k's, v's)."""
-        if not module.endswith(".self_attn.qkv_proj"):
-            return b
-        return torch.cat(self.per_head_qkv(b, self.config.num_attention_heads, self.config.head_dim))
+    renames = (("gpt_neox.", "model."), ("embed_out.", "lm_head."), ("model.embed_in.", "model.embed_tokens."),
+               ("model.final_layer_norm.", "model.norm."), (".attention.dense.", ".self_attn.o_proj."),
+               (".attention.", ".self_attn."))
+    skipped = (".attention.bias", ".attention.masked_bias")
+    fused = ".self_attn.query_key_value."

@@ -17,15 +17,13 @@ models (falcon-rw-1b / 7b) are not served: ModelConfig refuses them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-
 import torch
 
 from gpu_worker.attn_metadata import AttentionMetadata
 from gpu_worker.config import ModelConfig
-from gpu_worker.layers.weight_utils import WeightLike, materialize
-from gpu_worker.models.classic import GPTNeoXDecoderLayer, GPTNeoXForCausalLM, rename_parts
+from gpu_worker.models.classic import GPTNeoXDecoderLayer
 from gpu_worker.models.llama import LlamaForCausalLM, LlamaModel
+from gpu_worker.models.renamed_checkpoint import RenamedCheckpoint
 
 
 class FalconDecoderLayer(GPTNeoXDecoderLayer):
@@ -52,24 +50,13 @@ class FalconModel(LlamaModel):
     layer_class = FalconDecoderLayer
 
 
-class FalconForCausalLM(LlamaForCausalLM):
+class FalconForCausalLM(RenamedCheckpoint, LlamaForCausalLM):
     model_class = FalconModel
-    _RENAMES = (("transformer.word_embeddings.", "model.embed_tokens."), ("transformer.ln_f.", "model.norm."),
-                ("transformer.h.", "model.layers."), (".ln_attn.", ".input_layernorm."),
-                (".ln_mlp.", ".post_attention_layernorm."), (".self_attention.dense.", ".self_attn.o_proj."),
-                (".self_attention.query_key_value.", ".self_attn.query_key_value."))
-    _FUSED = ".self_attn.query_key_value."
-
-    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
-        """Falcon's names as ours, its fused query_key_value split into q, k and v."""
-        for name, tensor in weights:
-            name = rename_parts(name, self._RENAMES)
-            if self._FUSED not in name:
-                yield name, tensor
-                continue
-            for part, rows in zip(("q_proj", "k_proj", "v_proj"), self.fused_qkv_parts(materialize(tensor)),
-                                  strict=True):
-                yield name.replace(self._FUSED, f".self_attn.{part}."), rows
+    renames = (("transformer.word_embeddings.", "model.embed_tokens."), ("transformer.ln_f.", "model.norm."),
+               ("transformer.h.", "model.layers."), (".ln_attn.", ".input_layernorm."),
+               (".ln_mlp.", ".post_attention_layernorm."), (".self_attention.dense.", ".self_attn.o_proj."),
+               (".self_attention.query_key_value.", ".self_attn.query_key_value."))
+    fused = ".self_attn.query_key_value."
 
     def fused_qkv_parts(self, fused: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rows of query_key_value (a weight, a bias or a LoRA B) as q's, k's and v's, from the layout
@@ -83,13 +70,4 @@ class FalconForCausalLM(LlamaForCausalLM):
                     grouped[:, -1].reshape(kv_heads * head_dim, *fused.shape[1:]))
         if kv_heads == 1:  # (multi-query: the queries' rows, the key's, the value's)
             return tuple(fused.split([heads * head_dim, head_dim, head_dim]))
-        return GPTNeoXForCausalLM.per_head_qkv(fused, heads, head_dim)
-
-    def lora_module_name(self, module: str) -> str:
-        """An adapter's module as ours (``self_attention.query_key_value``: our fused qkv_proj)."""
-        name = rename_parts(f"{module}.", self._RENAMES)
-        return name.replace(".self_attn.query_key_value.", ".self_attn.qkv_proj.")[:-1]
-
-    def lora_b_rows(self, module: str, b: torch.Tensor) -> torch.Tensor:
-        """An adapter's B on query_key_value, its rows in our qkv_proj's order (q's, k's, v's)."""
-        return torch.cat(self.fused_qkv_parts(b)) if module.endswith(".self_attn.qkv_proj") else b
+        return super().fused_qkv_parts(fused)  # (each head's q, k and v together)

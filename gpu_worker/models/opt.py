@@ -10,12 +10,10 @@ embeddings narrower than its layers, word_embed_proj_dim): ModelConfig refuses i
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-
 from gpu_worker.layers.layernorm import LayerNorm
-from gpu_worker.layers.weight_utils import WeightLike
-from gpu_worker.models.classic import PhiMLP, rename_parts
+from gpu_worker.models.classic import PhiMLP
 from gpu_worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from gpu_worker.models.renamed_checkpoint import RenamedCheckpoint, rename_parts
 
 
 class OPTDecoderLayer(LlamaDecoderLayer):
@@ -27,23 +25,15 @@ class OPTModel(LlamaModel):
     layer_class = OPTDecoderLayer
 
 
-class OPTForCausalLM(LlamaForCausalLM):
+class OPTForCausalLM(RenamedCheckpoint, LlamaForCausalLM):
     model_class = OPTModel
-    _RENAMES = (("model.final_layer_norm.", "model.norm."), (".self_attn_layer_norm.", ".input_layernorm."),
-                (".final_layer_norm.", ".post_attention_layernorm."), (".self_attn.out_proj.", ".self_attn.o_proj."),
-                (".fc1.", ".mlp.fc1."), (".fc2.", ".mlp.fc2."))
+    renames = (("model.final_layer_norm.", "model.norm."), (".self_attn_layer_norm.", ".input_layernorm."),
+               (".final_layer_norm.", ".post_attention_layernorm."), (".self_attn.out_proj.", ".self_attn.o_proj."),
+               (".fc1.", ".mlp.fc1."), (".fc2.", ".mlp.fc2."))
 
-    @classmethod
-    def _ours(cls, name: str) -> str:
+    def ours(self, name: str) -> str:
         for prefix in ("model.decoder.", "decoder."):
             if name.startswith(prefix):
                 name = "model." + name[len(prefix):]
                 break
-        return rename_parts(name, cls._RENAMES)
-
-    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
-        return ((self._ours(name), tensor) for name, tensor in weights)
-
-    def lora_module_name(self, module: str) -> str:
-        """An adapter's module as ours (``self_attn.out_proj``: o_proj)."""
-        return self._ours(f"{module}.")[:-1]
+        return rename_parts(name, self.renames)

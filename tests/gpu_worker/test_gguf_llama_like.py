@@ -43,19 +43,16 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_files_convert_to_the_source_model(tmp_path: Path, case: str) -> None:
-    kind, overrides = CASES[case]
-    source = tiny_llama_like(kind, seed=5, **overrides)
-    path = write_tiny_llama_like_gguf(tmp_path / f"tiny-{case}.gguf", source, kind)
+def assert_converts_to(source, path: Path, tmp_path: Path, norm_atol: float = 0.0) -> None:
+    """The file ``path`` (written from ``source``) converts to a checkpoint of ``source``'s weights
+    (norm weights within ``norm_atol``), its logits in transformers and in our runner, its tokenizer."""
     model_dir = ensure_converted(path, tmp_path / "cache")
     config = json.loads((model_dir / "config.json").read_text())
     assert config["architectures"] == [type(source).__name__]
     loaded = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
     assert type(loaded) is type(source)
     for name, param in source.state_dict().items():
-        # (Nemotron's norms went through 1 + w and back: fp32's rounding of the sum.)
-        atol = 1e-6 if kind == "nemotron" and name.endswith("norm.weight") else 0.0
+        atol = norm_atol if name.endswith("norm.weight") else 0.0
         torch.testing.assert_close(loaded.state_dict()[name], param, rtol=0, atol=atol, msg=name)
     source.config._attn_implementation = "eager"
     with torch.no_grad():
@@ -67,14 +64,13 @@ def test_files_convert_to_the_source_model(tmp_path: Path, case: str) -> None:
     assert tokenizer.decode(tokenizer.encode("the cat in there")) == "the cat in there"
 
 
-def test_a_quantized_glm4_file_gives_its_dequantized_weights(tmp_path: Path) -> None:
-    """A Q8_0 GLM-4 file (its fused gate/up quantized whole): weights within Q8_0's rounding of the
-    source's, and our runner gives exactly what the file's dequantized weights give in transformers."""
-    source = tiny_llama_like("glm4", seed=6)
-    model_dir = ensure_converted(write_tiny_llama_like_gguf(tmp_path / "tiny-glm4.Q8_0.gguf", source, "glm4",
-                                                            GGMLQuantizationType.Q8_0), tmp_path / "cache")
+def assert_quantized_file_gives_its_weights(source, path: Path, tmp_path: Path, names: tuple[str, ...]) -> None:
+    """A quantized file ``path`` of ``source``: the weights ``names`` within Q8_0's rounding of the
+    source's (not equal), and our runner gives exactly what the file's dequantized weights give in
+    transformers."""
+    model_dir = ensure_converted(path, tmp_path / "cache")
     loaded = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    for name in ("model.layers.1.mlp.gate_up_proj.weight", "model.layers.1.self_attn.q_proj.weight"):
+    for name in names:
         weight, original = loaded.state_dict()[name], source.state_dict()[name]
         torch.testing.assert_close(weight, original, rtol=0, atol=0.01 * float(original.abs().max()))
         assert not torch.equal(weight, original)
@@ -82,6 +78,23 @@ def test_a_quantized_glm4_file_gives_its_dequantized_weights(tmp_path: Path) -> 
         logits = loaded(torch.tensor([PROMPT])).logits[0]
     ours = prefill_logits(make_runner(model_dir, num_blocks=8, block_size=4), PROMPT, [3, 1, 0, 5, 7])
     torch.testing.assert_close(ours, logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_files_convert_to_the_source_model(tmp_path: Path, case: str) -> None:
+    kind, overrides = CASES[case]
+    source = tiny_llama_like(kind, seed=5, **overrides)
+    path = write_tiny_llama_like_gguf(tmp_path / f"tiny-{case}.gguf", source, kind)
+    # (Nemotron's norms went through 1 + w and back: fp32's rounding of the sum.)
+    assert_converts_to(source, path, tmp_path, norm_atol=1e-6 if kind == "nemotron" else 0.0)
+
+
+def test_a_quantized_glm4_file_gives_its_dequantized_weights(tmp_path: Path) -> None:
+    """A Q8_0 GLM-4 file (its fused gate/up quantized whole)."""
+    source = tiny_llama_like("glm4", seed=6)
+    path = write_tiny_llama_like_gguf(tmp_path / "tiny-glm4.Q8_0.gguf", source, "glm4", GGMLQuantizationType.Q8_0)
+    assert_quantized_file_gives_its_weights(source, path, tmp_path, ("model.layers.1.mlp.gate_up_proj.weight",
+                                                                     "model.layers.1.self_attn.q_proj.weight"))
 
 
 def test_every_family_is_covered():
