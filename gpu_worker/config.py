@@ -77,7 +77,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Ernie4_5_MoeForCausalLM", "Starcoder2ForCausalLM", "StableLmForCausalLM",
                            "Llama4ForCausalLM", "GlmForCausalLM", "NemotronForCausalLM", "OlmoForCausalLM",
                            "PhiForCausalLM", "GPTNeoXForCausalLM", "Dots1ForCausalLM", "GPT2LMHeadModel",
-                           "GPTBigCodeForCausalLM", "GPTJForCausalLM", "OPTForCausalLM", "FalconForCausalLM")
+                           "GPTBigCodeForCausalLM", "GPTJForCausalLM", "OPTForCausalLM", "FalconForCausalLM",
+                           "ApertusForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -127,6 +128,8 @@ LLAMA_LIKE_DEFAULTS = {
     "StableLmForCausalLM": {"max_position_embeddings": 4096, "partial_rotary_factor": 0.25},
     "NemotronForCausalLM": {"max_position_embeddings": 4096, "hidden_act": "relu2", "partial_rotary_factor": 0.5},
     "OlmoForCausalLM": {"max_position_embeddings": 2048},
+    "ApertusForCausalLM": {"rms_norm_eps": 1e-5, "max_position_embeddings": 65536, "hidden_act": "xielu"},
+    "Dots1ForCausalLM": {"num_key_value_heads": 32},
     "PhiForCausalLM": {"max_position_embeddings": 2048, "hidden_act": "gelu_new", "partial_rotary_factor": 0.5},
     "GPTNeoXForCausalLM": {"max_position_embeddings": 2048, "hidden_act": "gelu", "attention_bias": True,
                            "use_parallel_residual": True},
@@ -139,6 +142,8 @@ LLAMA_LIKE_DEFAULTS = {
 # are _moe_from_dict's).
 MINIMAX_M2_DEFAULTS = {"head_dim": 128, "rms_norm_eps": 1e-6, "max_position_embeddings": 196608,
                        "intermediate_size": 1536, "rope_theta": 5000000.0, "num_key_value_heads": 8}
+APERTUS_ROPE_DEFAULTS = {"rope_type": "llama3", "rope_theta": 12000000.0, "factor": 8.0,
+                         "original_max_position_embeddings": 8192, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
 GPT_OSS_ROPE_DEFAULTS = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                          "original_max_position_embeddings": 4096}
 # Those whose heads may rotate only their first values (partial_rotary_factor).
@@ -148,14 +153,16 @@ PARTIAL_ROTARY_ARCHITECTURES = ("Phi3ForCausalLM", "Glm4MoeForCausalLM", "MiniMa
                                 "GPTNeoXForCausalLM", "GPTJForCausalLM")
 # The GPT family's configs (GPT-2's key names: n_embd, n_layer, ...): GPT-2, GPTBigCode, GPT-J.
 GPT_ARCHITECTURES = ("GPT2LMHeadModel", "GPTBigCodeForCausalLM", "GPTJForCausalLM")
+# Those of learned position embeddings instead of RoPE.
+LEARNED_POSITION_ARCHITECTURES = ("GPT2LMHeadModel", "GPTBigCodeForCausalLM", "OPTForCausalLM")
 # Families of LayerNorms (with their epsilon under layer_norm_eps, norm_epsilon or norm_eps).
 LAYER_NORM_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM", "Starcoder2ForCausalLM", "StableLmForCausalLM",
                             "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM")
 # Those whose MLP is ungated (one projection in, one out), and the activations served there (the
 # tanh forms of gelu under three names: gelu_new, gelu_fast, gelu_pytorch_tanh).
 UNGATED_MLP_ARCHITECTURES = ("Starcoder2ForCausalLM", "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM",
-                             *GPT_ARCHITECTURES, "OPTForCausalLM", "FalconForCausalLM")
-UNGATED_ACTIVATIONS = ("relu", "relu2", "gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh")
+                             *GPT_ARCHITECTURES, "OPTForCausalLM", "FalconForCausalLM", "ApertusForCausalLM")
+UNGATED_ACTIVATIONS = ("relu", "relu2", "gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh", "xielu")
 # transformers' Qwen3NextConfig defaults for the keys a Qwen3-Next config may leave out.
 QWEN3_NEXT_DEFAULTS = {"head_dim": 256, "partial_rotary_factor": 0.25, "linear_conv_kernel_dim": 4,
                        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
@@ -1252,14 +1259,16 @@ def _gpt_config(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """A GPT-2, GPTBigCode or GPT-J config in the other families' key names, as transformers reads it:
     its defaults, an MLP 4 x n_embd wide where n_inner is unset, biases on every projection (GPT-J's
     attention has none), GPTBigCode's one KV head under multi_query, GPT-J's rotary_dim as a share of
-    each head (the whole head where unset)."""
+    each head (a null one refused: transformers would rotate over the hidden width)."""
+    if arch == "GPTJForCausalLM" and "rotary_dim" in cfg and cfg["rotary_dim"] is None:
+        raise ValueError("GPTJForCausalLM with rotary_dim null (RoPE over the whole hidden width, as transformers "
+                         "reads it) is not served")
     cfg = {**_GPT_DEFAULTS[arch], "layer_norm_epsilon": 1e-5, **{k: v for k, v in cfg.items() if v is not None}}
     cfg = {**cfg, **{ours: cfg[theirs] for theirs, ours in _GPT_KEYS.items() if theirs in cfg}}
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     cfg.setdefault("intermediate_size", 4 * hidden)
     if arch == "GPTJForCausalLM":
-        rotary = cfg.get("rotary_dim")
-        return {**cfg, "partial_rotary_factor": int(rotary) / (hidden // heads) if rotary else 1.0,
+        return {**cfg, "partial_rotary_factor": int(cfg["rotary_dim"]) / (hidden // heads),
                 "attention_bias": False, "mlp_bias": True, "num_key_value_heads": heads}
     if cfg.get("scale_attn_by_inverse_layer_idx"):
         raise ValueError(f"scale_attn_by_inverse_layer_idx (scores scaled down by each layer's number) is not "
@@ -1317,7 +1326,7 @@ def _falcon_config(cfg: dict[str, Any]) -> dict[str, Any]:
 def _learned_positions_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """GPT-2's, GPTBigCode's and OPT's learned positions in place of RoPE (OPT's table from its third
     row), and GPT-2's unscaled scores where scale_attn_weights is off."""
-    if arch not in ("GPT2LMHeadModel", "GPTBigCodeForCausalLM", "OPTForCausalLM"):
+    if arch not in LEARNED_POSITION_ARCHITECTURES:
         return {}
     return {"learned_positions": True, "rope_layers": (False,) * num_layers,
             "position_offset": 2 if arch == "OPTForCausalLM" else 0,
@@ -1466,8 +1475,9 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
         # bias; DeepSeek-V2: the softmax, within the best groups under group_limited_greedy.
         v2 = arch == "DeepseekV2ForCausalLM"
         if arch == "Dots1ForCausalLM":  # (transformers' Dots1Config leaves these unset: a config states them)
+            aliases = {"n_routed_experts": "num_local_experts"}
             unset = [key for key in ("n_routed_experts", "num_experts_per_tok", "n_shared_experts")
-                     if cfg.get(key) is None]
+                     if cfg.get(key) is None and cfg.get(aliases.get(key, key)) is None]
             if unset:
                 raise ValueError(f"a Dots1ForCausalLM config must state {', '.join(unset)}")
         defaults = {"Glm4MoeForCausalLM": (128, 1408, 8, 1, 1.0), "DeepseekV2ForCausalLM": (64, 1407, 6, 0, 1.0),
@@ -1712,6 +1722,8 @@ class ModelConfig:
     # GPT-2, GPTBigCode, OPT: a learned table of a row per position (max_position_embeddings of them,
     # after position_offset unread ones) added to the token embeddings, in place of RoPE.
     learned_positions: bool = False
+    # OLMo, OLMoE: q, k (after their norms) and v clamped to [-clip_qkv, clip_qkv] (None: not clamped).
+    clip_qkv: float | None = None
     # Granite: the embeddings times embedding_multiplier, each attention and MLP output times
     # residual_multiplier before its residual add, the scores scaled by attention_multiplier (instead
     # of head_dim ** -0.5), the logits divided by logits_scaling.
@@ -1774,7 +1786,7 @@ class ModelConfig:
     encoder_only: bool = False
     # An encoder's LayerNorm epsilon, its token-type (segment) vocabulary (2 for BERT's sentence
     # pairs; 0 or 1: every token is of type 0), and the row of its position table that position 0
-    # reads (RoBERTa's: padding_idx + 1).
+    # reads (RoBERTa's: padding_idx + 1; a decoder's learned positions too: OPT's 2).
     layer_norm_eps: float = 1e-12
     type_vocab_size: int = 0
     position_offset: int = 0
@@ -2024,12 +2036,14 @@ class ModelConfig:
             cfg = _falcon_config(cfg)
         if arch in LLAMA_LIKE_DEFAULTS:
             cfg = {**LLAMA_LIKE_DEFAULTS[arch], **{k: v for k, v in cfg.items() if v is not None}}
+        if arch == "ApertusForCausalLM" and not cfg.get("rope_parameters") and not cfg.get("rope_scaling"):
+            cfg = {**cfg, "rope_parameters": dict(APERTUS_ROPE_DEFAULTS)}  # (transformers' ApertusConfig's)
         if arch in LAYER_NORM_ARCHITECTURES:  # (LayerNorms' epsilon)
             cfg["rms_norm_eps"] = float(cfg.get("norm_epsilon", cfg.get("layer_norm_eps", cfg.get("norm_eps"))) or 1e-5)
         if arch == "OlmoForCausalLM":  # (its parameter-free LayerNorms' epsilon, fixed)
             cfg["rms_norm_eps"] = 1e-5
-        if arch in ("PhiForCausalLM", "GPTNeoXForCausalLM"):  # (biases on every projection of the MLP; Phi's
-            # attention's too)
+        # (Biases on every projection of Phi's and GPT-NeoX's MLPs, and of Phi's attention.)
+        if arch in ("PhiForCausalLM", "GPTNeoXForCausalLM"):
             cfg = {**cfg, "mlp_bias": True, **({"attention_bias": True} if arch == "PhiForCausalLM" else {})}
         if arch == "MiniMaxM2ForCausalLM":
             cfg = {**MINIMAX_M2_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
@@ -2088,7 +2102,9 @@ class ModelConfig:
         if arch == "MiniMaxM2ForCausalLM" and "partial_rotary_factor" not in params \
                 and cfg.get("partial_rotary_factor") is None and cfg.get("rotary_dim"):
             partial = int(cfg["rotary_dim"]) / head_dim  # (as released: rotary_dim, 64 of 128)
-        rotary_dim = mla["qk_rope_head_dim"] if mla else int(head_dim * partial)
+        # (The share times the width, in whole values: a share read from a width, GPT-J's rotary_dim,
+        # gives that width back whatever the float's rounding.)
+        rotary_dim = mla["qk_rope_head_dim"] if mla else int(head_dim * partial + 1e-6)
         if arch in ("Glm4MoeForCausalLM", *GLM_DENSE_ARCHITECTURES) and "partial_rotary_factor" not in params \
                 and cfg.get("partial_rotary_factor") is None:
             partial, rotary_dim = 0.5, head_dim // 2  # (transformers' default for GLM-4 and 4.5: half of each head)
@@ -2201,7 +2217,7 @@ class ModelConfig:
             mlp_bias=bool(cfg.get("mlp_bias", cfg.get("use_bias", False))),  # (ERNIE 4.5's use_bias covers its MLP too)
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Dots1ForCausalLM")
             or (arch == "Glm4MoeForCausalLM" and bool(cfg.get("use_qk_norm", False)))
-            or arch in (*LFM2_ARCHITECTURES, "Exaone4ForCausalLM")
+            or arch in (*LFM2_ARCHITECTURES, "Exaone4ForCausalLM", "ApertusForCausalLM")
             or (arch == "PhiForCausalLM" and bool(cfg.get("qk_layernorm"))),
             eos_token_ids=eos,
             sliding_window=int(sliding) if sliding else None,
@@ -2238,6 +2254,8 @@ class ModelConfig:
             **_exaone4_fields(arch, cfg),
             **_llama4_fields(arch, cfg),
             **_learned_positions_fields(arch, cfg, num_layers),
+            clip_qkv=(float(cfg["clip_qkv"]) if arch in ("OlmoForCausalLM", "OlmoeForCausalLM")
+                      and cfg.get("clip_qkv") is not None else None),
             **mla,
             # (An encoder's every token has seen the whole prompt: its mean, unless its files say.)
             **({"default_pooling_type": "MEAN"} if always_bidirectional else {}),

@@ -1,6 +1,6 @@
 """llama.cpp's GGUF files of the classic families whose checkpoints name their tensors otherwise than
 Llama's: Phi (phi2), GPT-NeoX (gptneox), GPT-2 (gpt2) and GPTBigCode (starcoder), read back into their
-Hugging Face configs and tensor names (gpu_worker.gguf_loader does the reading).
+Hugging Face configs and tensor names (gpu_worker.gguf_loader does the reading), and Falcon's (falcon).
 
 What llama.cpp's converter does to them, and is undone or read here:
   * no q/k rows are permuted (llama.cpp rotates these families' halves, as transformers does);
@@ -13,7 +13,11 @@ What llama.cpp's converter does to them, and is undone or read here:
   * GPT-2's Conv1D weights ([in, out]) are written transposed: transposed back; its learned positions
     are position_embd; GPTBigCode's files state one KV head (multi-query);
   * Phi's head has a bias (output.bias); a phi-2 file of Microsoft's first layout holds q, k and v as
-    one attn_qkv (split into the three).
+    one attn_qkv (split into the three);
+  * Falcon's query_key_value, grouped by KV head in its checkpoints (each group's queries, then its
+    key and value), is written as all q rows, then k's, then v's: regrouped; its layout is read from
+    the file (a second norm, attn_norm_2, or more than one KV head: new_decoder_architecture; falcon-7b
+    otherwise), its context from the key the converter always writes as 2048.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from gguf import ReaderTensor
 
 # GGUF general.architecture -> HF (architecture, model_type).
 CLASSIC_ARCHITECTURES = {
@@ -30,6 +35,7 @@ CLASSIC_ARCHITECTURES = {
     "gptneox": ("GPTNeoXForCausalLM", "gpt_neox"),
     "gpt2": ("GPT2LMHeadModel", "gpt2"),
     "starcoder": ("GPTBigCodeForCausalLM", "gpt_bigcode"),
+    "falcon": ("FalconForCausalLM", "falcon"),
 }
 
 
@@ -65,7 +71,17 @@ _NAMES = {
                "ffn_up": "mlp.dense_h_to_4h", "ffn_down": "mlp.dense_4h_to_h"}),
     "gpt2": _GPT2_NAMES,
     "gpt_bigcode": _GPT2_NAMES,
+    "falcon": ClassicNames(
+        top_level={"token_embd": "transformer.word_embeddings", "output_norm": "transformer.ln_f", "output": "lm_head"},
+        layers="transformer.h",
+        block={"attn_norm": "input_layernorm", "attn_qkv": "self_attention.query_key_value",
+               "attn_output": "self_attention.dense", "ffn_up": "mlp.dense_h_to_4h", "ffn_down": "mlp.dense_4h_to_h"}),
 }
+# Keys of the converted config a family's transformers config cannot take (FalconConfig's head_dim is a
+# property of its own).
+CLASSIC_UNSET_KEYS = {"falcon": ("head_dim",)}
+# (falcon-40b's and 180B's two norms: ln_attn, ln_mlp.)
+_FALCON_TWO_NORMS = {"attn_norm": "ln_attn", "attn_norm_2": "ln_mlp"}
 # GPT-2's Conv1D modules (their weights stored [in, out] in its checkpoints).
 _CONV1D = ("attn_qkv", "attn_output", "ffn_up", "ffn_down")
 
@@ -75,10 +91,11 @@ def _rotary_share(meta: dict[str, Any], arch: str, head_dim: int) -> float:
     return int(rotary) / head_dim if rotary is not None else 1.0
 
 
-def classic_config(meta: dict[str, Any], arch: str, config: dict[str, Any], tensor_names: set[str],
+def classic_config(meta: dict[str, Any], arch: str, config: dict[str, Any], tensors: list[ReaderTensor],
                    read_float: Any) -> dict[str, Any]:
     """The family's own config keys, as its converter wrote them (``read_float``: the loader's reading
     of a float32 value)."""
+    tensor_names = {tensor.name for tensor in tensors}
     eps = read_float(meta.get(f"{arch}.attention.layer_norm_epsilon", 1e-5))
     head_dim = int(config["hidden_size"]) // int(config["num_attention_heads"])
     if arch == "phi2":
@@ -91,9 +108,19 @@ def classic_config(meta: dict[str, Any], arch: str, config: dict[str, Any], tens
                 "rope_parameters": {**config["rope_parameters"], "partial_rotary_factor": partial},
                 "use_parallel_residual": bool(meta.get(f"{arch}.use_parallel_residual", True)),
                 "attention_bias": any(name.endswith(".attn_qkv.bias") for name in tensor_names)}
-    # GPT-2 and GPTBigCode, in GPT-2's key names.
+    if arch == "falcon":
+        kv_heads, two_norms = int(config["num_key_value_heads"]), any(".attn_norm_2." in n for n in tensor_names)
+        new = two_norms or kv_heads > 1
+        return {"layer_norm_epsilon": eps, "new_decoder_architecture": new, "multi_query": not new,
+                "parallel_attn": True, "num_kv_heads": kv_heads, "num_ln_in_parallel_attn": 2 if two_norms else 1,
+                "ffn_hidden_size": config["intermediate_size"], "activation": "gelu", "alibi": False,
+                "bias": any(name.endswith(".attn_qkv.bias") for name in tensor_names)}
+    # GPT-2 and GPTBigCode, in GPT-2's key names; their positions those of the learned table (GPT-2's
+    # converter states n_ctx as the context, which may differ).
+    table = next(tensor for tensor in tensors if tensor.name == "position_embd.weight")
     return {"n_embd": config["hidden_size"], "n_layer": config["num_hidden_layers"],
-            "n_head": config["num_attention_heads"], "n_positions": config["max_position_embeddings"],
+            "n_head": config["num_attention_heads"], "n_positions": int(table.shape[-1]),
+            "max_position_embeddings": int(table.shape[-1]),
             "n_inner": config["intermediate_size"], "layer_norm_epsilon": eps,
             "activation_function": "gelu_new" if arch == "gpt2" else "gelu_pytorch_tanh",
             **({"multi_query": int(config["num_key_value_heads"]) == 1} if arch == "starcoder" else {})}
@@ -116,12 +143,19 @@ def classic_tensors(name: str, array: np.ndarray, config: dict[str, Any]) -> Ite
         for projection, rows in zip(("q_proj", "k_proj", "v_proj"), np.split(array, 3), strict=True):
             yield f"{prefix}.self_attn.{projection}.{kind}", rows
         return
-    if part not in names.block:
+    block = {**names.block, **_FALCON_TWO_NORMS} if config.get("num_ln_in_parallel_attn") == 2 else names.block
+    if part not in block:
         raise ValueError(f"unexpected GGUF tensor {name!r}: unknown {model_type} block component {part!r}")
+    if model_type == "falcon" and part == "attn_qkv":  # (all q rows, k's, v's -> grouped by KV head)
+        heads, kv_heads = int(config["num_attention_heads"]), int(config["num_kv_heads"])
+        head_rows = array.shape[0] // (heads + 2 * kv_heads)
+        q, k, v = np.split(array, [heads * head_rows, (heads + kv_heads) * head_rows])
+        groups = [rows.reshape(kv_heads, -1, *rows.shape[1:]) for rows in (q, k, v)]
+        array = np.concatenate(groups, axis=1).reshape(array.shape)
     if model_type == "gpt_neox" and part == "attn_qkv":  # (all q rows, k's, v's -> each head's q, k, v)
         heads = int(config["num_attention_heads"])
         per_head = [rows.reshape(heads, -1, *rows.shape[1:]) for rows in np.split(array, 3)]
         array = np.stack(per_head, axis=1).reshape(array.shape)  # ([heads, 3, head_dim] rows)
     if model_type == "gpt2" and part in _CONV1D and kind == "weight":
         array = np.ascontiguousarray(array.T)
-    yield f"{prefix}.{names.block[part]}.{kind}", array
+    yield f"{prefix}.{block[part]}.{kind}", array

@@ -43,6 +43,8 @@ LLAMA_LIKE_ARCHITECTURES = {
 }
 # Model types whose files hold Llama's permuted q/k rows.
 LLAMA_LIKE_PERMUTED_QK = ("arcee", "olmo")
+# (OLMo's converter permutes the q/k weights, not their biases, as a LlamaModel's does.)
+WEIGHTS_ONLY_PERMUTED = ("olmo",)
 # Block tensor names that differ from Llama's, per model type (merged over the loader's Llama names).
 LLAMA_LIKE_BLOCK_NAMES: dict[str, dict[str, str]] = {
     "glm4": {"post_attention_norm": "post_self_attn_layernorm", "ffn_norm": "post_attention_layernorm",

@@ -50,13 +50,14 @@ from gguf import GGUFReader, GGUFValueType, ReaderField, ReaderTensor
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 
-from gpu_worker.gguf_classic import CLASSIC_ARCHITECTURES, classic_config, classic_tensors
+from gpu_worker.gguf_classic import CLASSIC_ARCHITECTURES, CLASSIC_UNSET_KEYS, classic_config, classic_tensors
 from gpu_worker.gguf_falcon_h1 import FALCON_H1_ARCHITECTURES, FALCON_H1_NAMES, falcon_h1_config
 from gpu_worker.gguf_granite import GRANITE_ARCHITECTURES, GRANITE_MODEL_TYPES, GraniteTensors, granite_config
 from gpu_worker.gguf_llama_like import (
     LLAMA_LIKE_ARCHITECTURES,
     LLAMA_LIKE_BLOCK_NAMES,
     LLAMA_LIKE_PERMUTED_QK,
+    WEIGHTS_ONLY_PERMUTED,
     llama_like_config,
 )
 from gpu_worker.gguf_mamba2 import rename_hybrid_tensor
@@ -394,7 +395,9 @@ def build_hf_config(reader: GGUFReader, dtype: torch.dtype = torch.float32,
     elif arch in LLAMA_LIKE_ARCHITECTURES:
         config.update(llama_like_config(meta, arch, config, tensor_names, _float32))
     elif arch in CLASSIC_ARCHITECTURES:
-        config.update(classic_config(meta, arch, config, tensor_names, _float32))
+        config.update(classic_config(meta, arch, config, tensors, _float32))
+        for key in CLASSIC_UNSET_KEYS.get(arch, ()):
+            del config[key]
     elif experts:
         config.update(_experts_config(meta, arch, experts, tensors))
     if arch in NEMOTRON_H_ARCHITECTURES or arch in MAMBA1_ARCHITECTURES or arch in MAMBA2_ARCHITECTURES:
@@ -532,8 +535,10 @@ def gguf_to_hf_name(name: str, model_type: str = "llama") -> str:
 
 
 def _heads_for(name: str, config: dict[str, Any]) -> int | None:
-    """The heads whose rows llama.cpp permuted in this tensor (None: not permuted)."""
-    if config["model_type"] not in _PERMUTED_QK_MODEL_TYPES:
+    """The heads whose rows llama.cpp permuted in this tensor (None: not permuted; OLMo's converter
+    permutes the weights alone, not biases)."""
+    if config["model_type"] not in _PERMUTED_QK_MODEL_TYPES or (config["model_type"] in WEIGHTS_ONLY_PERMUTED
+                                                                 and not name.endswith(".weight")):
         return None
     if ".attn_q." in name:
         return int(config["num_attention_heads"])

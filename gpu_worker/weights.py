@@ -54,11 +54,13 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, LazyTensor]]:
+def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, WeightLike]]:
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                yield name, LazyTensor(f.get_slice(name))
+                lazy = LazyTensor(f.get_slice(name))
+                # (A scalar, which has no rows to narrow to: read whole. Apertus's xIELU beta and eps.)
+                yield name, lazy if lazy.shape else f.get_tensor(name)
 
 
 def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, WeightLike]]:

@@ -27,6 +27,27 @@ class GeluAndMul(nn.Module):
         return F.gelu(gate, approximate=self.approximate).mul_(up)
 
 
+class XIELU(nn.Module):
+    """xIELU (Apertus's MLP activation): alpha_p x^2 + beta x for x > 0, else alpha_n (expm1(min(x,
+    eps)) - x) + beta x, with alpha_p = softplus(a_p) and alpha_n = beta + softplus(a_n) from the learned
+    scalars a_p, a_n (``alpha_p``, ``alpha_n``), as transformers' XIELUActivation computes it (beta 0.5,
+    eps -1e-6: its fixed values)."""
+
+    BETA, EPS = 0.5, -1e-6
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alpha_p = nn.Parameter(torch.zeros(1), requires_grad=False)
+        self.alpha_n = nn.Parameter(torch.zeros(1), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        alpha_p = F.softplus(self.alpha_p)
+        alpha_n = self.BETA + F.softplus(self.alpha_n)
+        eps = torch.tensor(self.EPS, dtype=x.dtype, device=x.device)
+        return torch.where(x > 0, alpha_p * x * x + self.BETA * x,
+                           (torch.expm1(torch.minimum(x, eps)) - x) * alpha_n + self.BETA * x)
+
+
 def ungated_activation(name: str):
     """An ungated MLP's activation for a config's ``hidden_act``: relu (OPT's), relu(x)^2 (Nemotron-H's, Arcee's), exact
     gelu, or its tanh form (StarCoder2's gelu_pytorch_tanh, Phi's gelu_new, GPT-NeoX-20B's gelu_fast)."""
@@ -34,6 +55,8 @@ def ungated_activation(name: str):
         return lambda x: torch.relu(x).square_()
     if name == "relu":  # (OPT's)
         return torch.relu
+    if name == "xielu":  # (Apertus's: learned scalars, a module of its own)
+        return XIELU()
     if name in ("gelu", "gelu_pytorch_tanh", "gelu_new", "gelu_fast"):
         approximate = "none" if name == "gelu" else "tanh"
         return lambda x: F.gelu(x, approximate=approximate)

@@ -20,12 +20,17 @@ from pathlib import Path
 
 import torch
 
+# Our projections an adapter may train (wrapped by LoRA: gpu_worker.lora.manager.wrap_model).
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                   "qkv_proj", "gate_up_proj",
-                  "c_attn", "c_fc", "c_proj",  # (StarCoder2's MLP; GPT-2's and GPTBigCode's)
-                  "out_proj", "fc_in", "fc_out",  # (GPT-J's)
-                  "dense", "fc1", "fc2",  # (Phi's o_proj and MLP)
-                  "query_key_value", "dense_h_to_4h", "dense_4h_to_h")  # (GPT-NeoX's qkv_proj and MLP)
+                  "c_fc", "c_proj",  # (StarCoder2's and GPT-2's MLPs)
+                  "fc1", "fc2",  # (Phi's and OPT's)
+                  "fc_in", "fc_out",  # (GPT-J's)
+                  "dense_h_to_4h", "dense_4h_to_h")  # (GPT-NeoX's and Falcon's)
+# The names an adapter's checkpoint may give them: ours, and those of checkpoints that name a projection
+# otherwise, read as ours by the model (lora_module_name): GPT-2's c_attn, GPT-J's and OPT's out_proj,
+# Phi's, GPT-NeoX's and Falcon's dense, GPT-NeoX's and Falcon's query_key_value.
+ADAPTER_MODULE_NAMES = (*TARGET_MODULES, "c_attn", "out_proj", "dense", "query_key_value")
 _PREFIX = "base_model.model."
 _A, _B = ".lora_A.weight", ".lora_B.weight"
 # adapter_config.json settings that change what the adapter computes, and are not served.
@@ -127,8 +132,8 @@ def load_peft_adapter(path: str | Path, max_lora_rank: int,
         if ours is None:  # (before the checks below: a vision tower's projections have other names)
             skipped.append(module)
             continue
-        if module.rsplit(".", 1)[-1] not in TARGET_MODULES:
-            raise _refuse(path, f"module {module!r} is not one of {', '.join(TARGET_MODULES)}")
+        if module.rsplit(".", 1)[-1] not in ADAPTER_MODULE_NAMES:
+            raise _refuse(path, f"module {module!r} is not one of {', '.join(ADAPTER_MODULE_NAMES)}")
         if set(ab) != {"A", "B"}:
             raise _refuse(path, f"module {module!r} has lora_{'A' if 'A' in ab else 'B'} without its pair")
         a, b = ab["A"], ab["B"]

@@ -62,9 +62,8 @@ class LlamaAttention(nn.Module):
         self.k_norm = norm_class(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         # SmolLM3's NoPE layers attend without positions.
         self.rotates = not config.rope_layers or config.rope_layers[layer]
-        # OLMo's and OLMoE's clip_qkv: q, k (after their norms) and v clamped to [-clip, clip].
-        clip = config.raw.get("clip_qkv")
-        self.clip_qkv = None if clip is None else float(clip)
+        # OLMo's and OLMoE's: q, k (after their norms) and v clamped to [-clip, clip].
+        self.clip_qkv = config.clip_qkv
 
     def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """``rope``: (cos, sin) of each token's position, and under Llama 4's attention temperature
@@ -84,7 +83,7 @@ class LlamaAttention(nn.Module):
             qk = torch.cat((q, k), dim=1)
             if self.clip_qkv is not None:  # (after the norms, v alike)
                 qk.clamp_(-self.clip_qkv, self.clip_qkv)
-                qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
+                qkv[:, self.q_size + self.kv_size:].clamp_(-self.clip_qkv, self.clip_qkv)
         if self.rotates:
             RotaryEmbedding.rotate_(qk, rope[0], rope[1])
         q = qk[:, : self.num_heads]
@@ -303,7 +302,7 @@ class LlamaModel(nn.Module):
         self.stage = stage = PipelineStage(config)
         self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size) if stage.holds_embedding
                              else PPMissingLayer())
-        # GPT-2's and OPT's learned positions, added to the first layer's input.
+        # GPT-2's, GPTBigCode's and OPT's learned positions, added to the first layer's input.
         self.embed_positions = (PositionEmbedding(config.max_position_embeddings, config.hidden_size,
                                                   config.position_offset)
                                 if config.learned_positions and stage.first else None)

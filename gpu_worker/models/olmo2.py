@@ -1,9 +1,8 @@
-"""OLMo (OlmoForCausalLM: OLMo-1B-hf, OLMo-7B-hf, OLMo-7B-0424 / 0724-hf: the Llama block with
-LayerNorms of no parameters, and q, k and v clamped to [-clip_qkv, clip_qkv] where the config says),
-OLMo 2 (Olmo2ForCausalLM: OLMo-2 1B / 7B / 13B / 32B), OLMoE (OlmoeForCausalLM: Llama's layers with
-these q/k norms and routed experts) and OLMo 3 (Olmo3ForCausalLM: OLMo 2's layers with
-a sliding window on three layers of four, which rotate with plain RoPE of their own: ModelConfig's
-local_rope_theta): the Llama block with two changes.
+"""AI2's OLMo family, the Llama block with changes.
+
+OLMo 2 (Olmo2ForCausalLM: OLMo-2 1B / 7B / 13B / 32B) and OLMo 3 (Olmo3ForCausalLM: OLMo 2's layers
+with a sliding window on three layers of four, which rotate with plain RoPE of their own:
+ModelConfig's local_rope_theta):
 
 * The norms come after the attention and the MLP, not before: each sublayer's output is normed, then
   added to the residual (``post_attention_layernorm``, ``post_feedforward_layernorm``; no input norm).
@@ -12,6 +11,11 @@ local_rope_theta): the Llama block with two changes.
   parallelism a rank holds some heads: the ranks' sums of squares are all-reduced, so each normalises
   by the whole projection's mean square (with KV heads replicated across ranks each copy is counted as
   often as it is held, which leaves the mean the same).
+
+OLMoE (OlmoeForCausalLM): Llama's layers (norms before each sublayer) with those q/k norms and routed
+experts. The first OLMo (OlmoForCausalLM: OLMo-1B-hf, OLMo-7B-hf, OLMo-7B-0424 / 0724-hf): Llama's
+layers with LayerNorms of no parameters. OLMo's and OLMoE's clip_qkv clamps q, k (after any norms)
+and v (ModelConfig.clip_qkv).
 """
 
 from __future__ import annotations

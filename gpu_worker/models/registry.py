@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from gpu_worker.config import ModelConfig
+from gpu_worker.models.apertus import ApertusForCausalLM
 from gpu_worker.models.arcee import ArceeForCausalLM
 from gpu_worker.models.bert import BertModel, RobertaModel
 from gpu_worker.models.bert_rope import JinaEmbeddingsV3Model, RopeBertModel
@@ -140,6 +141,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GPTJForCausalLM": GPTJForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
     "FalconForCausalLM": FalconForCausalLM,
+    "ApertusForCausalLM": ApertusForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
     "Mamba2ForCausalLM": Mamba2ForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,

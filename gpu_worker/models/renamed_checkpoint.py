@@ -70,7 +70,9 @@ class RenamedCheckpoint:
     def lora_module_name(self, module: str) -> str:
         """An adapter's module as ours (the fused projection: our qkv_proj)."""
         name = self.ours(f"{module}.")
-        return (name.replace(self.fused, ".self_attn.qkv_proj.") if self.fused else name)[:-1]
+        name = (name.replace(self.fused, ".self_attn.qkv_proj.") if self.fused else name)[:-1]
+        after = getattr(super(), "lora_module_name", None)
+        return after(name) if after is not None else name
 
     def lora_b_rows(self, module: str, b: torch.Tensor) -> torch.Tensor:
         """An adapter's B, its rows in the order the base weight's were loaded in."""

@@ -1,6 +1,6 @@
 """GGUF files of the classic families whose checkpoints name their tensors otherwise than Llama's (Phi's
-phi2, GPT-NeoX's gptneox, GPT-2's gpt2, GPTBigCode's starcoder), converted back to checkpoints that
-give the source model's logits, in transformers and in our runner."""
+phi2, GPT-NeoX's gptneox, GPT-2's gpt2, GPTBigCode's starcoder, Falcon's falcon), converted back to
+checkpoints that give the source model's logits, in transformers and in our runner."""
 
 from __future__ import annotations
 
@@ -21,6 +21,12 @@ CASES = {
     "gpt_neox_sequential_no_attention_bias": ("gpt_neox", {"use_parallel_residual": False, "attention_bias": False}),
     "gpt2": ("gpt2", {}),
     "gpt_bigcode": ("gpt_bigcode", {}),
+    # Falcon: falcon-7b's layout (multi-query, one norm), falcon-40b's (KV heads in groups, two norms),
+    # falcon-11B's (grouped, one norm).
+    "falcon_7b_style": ("falcon", {}),
+    "falcon_40b_style": ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 2}),
+    "falcon_11b_style": ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 2,
+                                    "num_ln_in_parallel_attn": 1}),
 }
 
 

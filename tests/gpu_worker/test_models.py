@@ -222,6 +222,8 @@ CASES = {
     "falcon_11b_style": ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 2,
                                     "num_ln_in_parallel_attn": 1}),
     "falcon_sequential_multi_head": ("falcon", {"parallel_attn": False, "multi_query": False, "bias": False}),
+    # Apertus: per-head q/k norms, an ungated xIELU MLP with each layer's learned scalars, llama3 RoPE.
+    "apertus": ("apertus", {}),
     # OPT (learned positions from the table's third row, relu; without biases, untied).
     "opt": ("opt", {}),
     "opt_no_bias_untied": ("opt", {"enable_bias": False, "tie_word_embeddings": False}),
@@ -447,7 +449,8 @@ def test_registry_maps_architectures(tmp_path):
                                    "StableLmForCausalLM", "Llama4ForCausalLM", "GlmForCausalLM",
                                    "NemotronForCausalLM", "OlmoForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM",
                                    "Dots1ForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM", "GPTJForCausalLM",
-                                   "OPTForCausalLM", "FalconForCausalLM", "BertModel", "RobertaModel",
+                                   "OPTForCausalLM", "FalconForCausalLM", "ApertusForCausalLM", "BertModel",
+                                   "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
     assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES) | set(ENCODER_ARCHITECTURES.values())
     assert get_model_class("Qwen2ForCausalLM") is Qwen2ForCausalLM
@@ -981,7 +984,9 @@ def test_classic_configs_as_released():
     assert ModelConfig.from_dict({k: v for k, v in minitron.items() if k != "partial_rotary_factor"}).rotary_dim == 64
     olmo = {"architectures": ["OlmoForCausalLM"], "hidden_size": 4096, "intermediate_size": 11008,
             "num_hidden_layers": 32, "num_attention_heads": 32, "vocab_size": 50304, "clip_qkv": 8.0}
-    assert ModelConfig.from_dict(olmo).rms_norm_eps == 1e-5
+    assert ModelConfig.from_dict(olmo).rms_norm_eps == 1e-5 and ModelConfig.from_dict(olmo).clip_qkv == 8.0
+    # (transformers clamps OLMo's and OLMoE's alone: a stray clip_qkv elsewhere changes nothing.)
+    assert ModelConfig.from_dict({**olmo, "architectures": ["Olmo2ForCausalLM"]}).clip_qkv is None
     glm = {"architectures": ["GlmForCausalLM"], "hidden_size": 4096, "intermediate_size": 13696,
            "num_hidden_layers": 40, "num_attention_heads": 32, "vocab_size": 151552}
     config = ModelConfig.from_dict(glm)
@@ -1000,6 +1005,8 @@ def test_classic_configs_as_released():
     windowed = ModelConfig.from_dict({**dots, "sliding_window": 4096, "max_window_layers": 60})
     assert windowed.sliding_window == 4096 and windowed.sliding_window_layers == (False,) * 60 + (True,) * 2
     assert ModelConfig.from_dict({**dots, "sliding_window": 4096}).sliding_window is None  # (no layer from 62)
+    aliased = {**{k: v for k, v in dots.items() if k != "n_routed_experts"}, "num_local_experts": 64}
+    assert ModelConfig.from_dict(aliased).num_experts == 64
     with pytest.raises(ValueError, match="must state n_shared_experts"):
         ModelConfig.from_dict({k: v for k, v in dots.items() if k != "n_shared_experts"})
 
@@ -1029,6 +1036,9 @@ def test_gpt_family_configs_as_released():
     config = ModelConfig.from_dict(gptj)
     assert (config.head_dim, config.rotary_dim, config.intermediate_size) == (256, 64, 16384)
     assert not config.qkv_bias and not config.o_proj_bias and config.mlp_bias and not config.learned_positions
+    assert ModelConfig.from_dict({**gptj, "n_embd": 88 * 16, "rotary_dim": 30}).rotary_dim == 30  # (not 29)
+    with pytest.raises(ValueError, match="rotary_dim null"):
+        ModelConfig.from_dict({**gptj, "rotary_dim": None})
 
 
 def test_opt_configs_as_released():
@@ -1061,6 +1071,23 @@ def test_falcon_configs_as_released():
     assert ModelConfig.from_dict({**falcon7b, "multi_query": False}).num_key_value_heads == 71
     with pytest.raises(ValueError, match="alibi"):
         ModelConfig.from_dict({**falcon7b, "alibi": True})
+
+
+def test_apertus_config_defaults_and_its_fixed_xielu_scalars(tmp_path):
+    """Apertus's RoPE defaults (llama3 over 8192 positions, base 12M) as transformers' ApertusConfig
+    has them; xIELU's beta and eps are transformers' fixed values, a checkpoint stating others refused."""
+    base = {"architectures": ["ApertusForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 256}
+    config = ModelConfig.from_dict(base)
+    assert config.rope_theta == 12000000.0 and config.rope_scaling["rope_type"] == "llama3"
+    assert config.qk_norm and config.hidden_act == "xielu" and config.max_position_embeddings == 65536
+    path = save_tiny_model(tmp_path, "apertus")
+    tensors = load_file(path / "model.safetensors")
+    assert float(tensors["model.layers.1.mlp.act_fn.beta"]) == 0.5
+    tensors["model.layers.1.mlp.act_fn.beta"] = torch.tensor(0.6)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"layers\.1\.mlp\.act_fn\.beta.*0\.5"):
+        make_runner(path)
 
 
 def test_opt_125ms_released_names_load(tmp_path):

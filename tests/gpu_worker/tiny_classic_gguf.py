@@ -29,10 +29,15 @@ CLASSIC_KINDS = {
                                                 "mlp.dense_h_to_4h": "ffn_up", "mlp.dense_4h_to_h": "ffn_down"}),
     "gpt2": ("gpt2", "transformer.h", _GPT2_PARTS),
     "gpt_bigcode": ("starcoder", "transformer.h", _GPT2_PARTS),
+    "falcon": ("falcon", "transformer.h", {"input_layernorm": "attn_norm", "ln_attn": "attn_norm",
+                                           "ln_mlp": "attn_norm_2", "self_attention.query_key_value": "attn_qkv",
+                                           "self_attention.dense": "attn_output", "mlp.dense_h_to_4h": "ffn_up",
+                                           "mlp.dense_4h_to_h": "ffn_down"}),
 }
 _TOP_LEVEL = {"model.embed_tokens": "token_embd", "model.final_layernorm": "output_norm", "lm_head": "output",
               "gpt_neox.embed_in": "token_embd", "gpt_neox.final_layer_norm": "output_norm", "embed_out": "output",
-              "transformer.wte": "token_embd", "transformer.wpe": "position_embd", "transformer.ln_f": "output_norm"}
+              "transformer.wte": "token_embd", "transformer.wpe": "position_embd", "transformer.ln_f": "output_norm",
+              "transformer.word_embeddings": "token_embd"}
 
 
 def tiny_classic(kind: str, seed: int = 0, **overrides) -> PreTrainedModel:
@@ -41,6 +46,8 @@ def tiny_classic(kind: str, seed: int = 0, **overrides) -> PreTrainedModel:
     states whatever the config says: phi-2's)."""
     if kind == "phi":
         overrides = {"intermediate_size": 256, "num_key_value_heads": 4, **overrides}
+    if kind == "falcon":  # (its converter states 4 x hidden too)
+        overrides = {"ffn_hidden_size": 256, **overrides}
     config = make_config(kind, vocab_size=len(tiny_vocab()), max_position_embeddings=128, **overrides)
     return _perturbed(AutoModelForCausalLM.from_config(config, dtype=torch.float32), seed)
 
@@ -60,6 +67,12 @@ def _gguf_tensors(model: PreTrainedModel, kind: str, fused_qkv: bool) -> dict[st
         if kind == "gpt_neox" and part == "attention.query_key_value":  # (per head -> q's, k's, v's)
             per_head = data.reshape(config.num_attention_heads, 3, -1, *data.shape[1:])
             data = np.concatenate([per_head[:, i].reshape(-1, *data.shape[1:]) for i in range(3)])
+        if kind == "falcon" and part == "self_attention.query_key_value":  # (grouped by KV head -> q's, k's, v's)
+            kv = config.num_key_value_heads
+            grouped = data.reshape(kv, -1, config.head_dim, *data.shape[1:])
+            data = np.concatenate([grouped[:, :-2].reshape(-1, *data.shape[1:]),
+                                   grouped[:, -2].reshape(-1, *data.shape[1:]),
+                                   grouped[:, -1].reshape(-1, *data.shape[1:])])
         if kind == "gpt2" and kind_of == "weight" and data.ndim == 2:  # (Conv1D's [in, out], transposed)
             data = data.T.copy()
         out[f"blk.{layer}.{parts[part]}.{kind_of}"] = data
@@ -81,7 +94,8 @@ def write_tiny_classic_gguf(path: Path, model: PreTrainedModel, kind: str,
     writer = GGUFWriter(str(path), arch)
     writer.add_name(f"tiny-{kind}")
     writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
+    # (Falcon's converter states 2048, whatever the model's.)
+    writer.add_context_length(2048 if kind == "falcon" else config.max_position_embeddings)
     writer.add_embedding_length(hidden)
     writer.add_head_count(heads)
     if kind == "phi":
@@ -94,6 +108,10 @@ def write_tiny_classic_gguf(path: Path, model: PreTrainedModel, kind: str,
         writer.add_rope_dimension_count(int(config.rope_parameters["partial_rotary_factor"] * (hidden // heads)))
         writer.add_parallel_residual(config.use_parallel_residual)
         writer.add_layer_norm_eps(config.layer_norm_eps)
+    elif kind == "falcon":
+        writer.add_feed_forward_length(4 * hidden)
+        writer.add_head_count_kv(config.num_key_value_heads)
+        writer.add_layer_norm_eps(config.layer_norm_epsilon)
     else:
         writer.add_feed_forward_length(4 * hidden)
         writer.add_layer_norm_eps(config.layer_norm_epsilon)

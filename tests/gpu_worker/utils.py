@@ -11,6 +11,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np
 import torch
 from transformers import (
+    ApertusConfig,
     ArceeConfig,
     AutoModelForCausalLM,
     BambaConfig,
@@ -338,6 +339,10 @@ def make_config(kind: str = "llama", **overrides):
                                    "intermediate_size_mlp": 256, "attention_chunk_size": 8, "floor_scale": 8,
                                    "attn_scale": 0.5, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
                                    **kw, "num_hidden_layers": max(4, kw["num_hidden_layers"])})
+    # Apertus: per-head q/k norms, an ungated xIELU MLP (its learned scalars drawn apart in
+    # save_tiny_model), llama3 RoPE.
+    if kind == "apertus":
+        return ApertusConfig(**{"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "dtype": "float32", **kw})
     if kind == "arcee":
         return ArceeConfig(**{"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
     if kind == "exaone4":
@@ -449,6 +454,9 @@ def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides)
             if name.endswith(("q_norm.weight", "k_norm.weight", "q_layernorm.weight", "k_layernorm.weight")) \
                     or "_layernorm.norms." in name:  # (StableLM's: one norm a head)
                 param.normal_(1.0, 0.5)
+            # Apertus's xIELU scalars (softplus-ed): drawn apart, so each layer's own are read.
+            if name.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):
+                param.normal_(0.0, 0.5)
             # GPT-OSS's attention sinks: logits of the order of the scores', so each takes a visible share.
             if name.endswith("self_attn.sinks"):
                 param.normal_(0.0, 1.0)
