@@ -24,6 +24,7 @@ time, and "same tokens" is the share of greedy tokens on which both sides agree.
     .venv/bin/python benchmarks/bench_model_runner.py --falcon-h1  # Falcon-H1: attention and Mamba-2 in every layer
     .venv/bin/python benchmarks/bench_model_runner.py --jamba  # Jamba: Mamba-1 layers, every eighth attending
     .venv/bin/python benchmarks/bench_model_runner.py --zamba2  # Zamba2: Mamba-2 layers, shared attention blocks
+    .venv/bin/python benchmarks/bench_model_runner.py --gpt2  # GPT-2 (124M's shapes): learned positions, LayerNorms
 
 With --sliding-window, both sides run the same weights as a Mistral model whose every layer attends
 through that window (HF with its sliding-window cache; ours reading only the window's blocks, the
@@ -61,7 +62,8 @@ muP multipliers. With --jamba, as a dense Jamba model of SmolLM2's shapes: Mamba
 channels, states of 16) but every eighth layer, which attends without positions. With --zamba2, as a
 Zamba2 model of SmolLM2's shapes: Mamba-2 layers (18 heads of 64, states of 64), every sixth running
 one of two shared attention-and-MLP blocks first (9 heads of 128 over twice the width, RoPE, adapters
-of rank 128 on q, k, v and the MLP).
+of rank 128 on q, k, v and the MLP). With --gpt2, as a GPT-2 of gpt2's (124M's) shapes: learned
+positions, LayerNorms, biases, an ungated gelu MLP, Conv1D weights (transposed as ours load them).
 """
 
 from __future__ import annotations
@@ -89,6 +91,8 @@ from transformers import (
     Gemma2ForCausalLM,
     Glm4MoeConfig,
     Glm4MoeForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
     GptOssConfig,
     GptOssForCausalLM,
     GraniteMoeHybridConfig,
@@ -245,6 +249,8 @@ def main() -> None:
                     help="run the random model as Zamba2 (Mamba-2 layers, every sixth running a shared block)")
     ap.add_argument("--nemotron-h", action="store_true",
                     help="run the random model as Nemotron-H (Mamba-2 / MLP blocks, a few attention ones)")
+    ap.add_argument("--gpt2", action="store_true",
+                    help="run a random GPT-2 of gpt2's shapes (learned positions, LayerNorms, Conv1D weights)")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -362,6 +368,10 @@ def main() -> None:
                   "use_shared_attention_adapter": True, "adapter_rank": 128, "use_mem_rope": True,
                   "hidden_act": "gelu"}
         hf, model_config, weights = random_source(Zamba2ForCausalLM, Zamba2Config, shapes, device, dtype)
+    elif args.model == "random" and args.gpt2:
+        shapes = {"architectures": ["GPT2LMHeadModel"], "n_embd": 768, "n_layer": 12, "n_head": 12,
+                  "n_positions": 1024, "vocab_size": 50257}
+        hf, model_config, weights = random_source(GPT2LMHeadModel, GPT2Config, shapes, device, dtype)
     elif args.model == "random" and args.sliding_window:
         shapes = {**SMOLLM2_135M, "architectures": ["MistralForCausalLM"], "sliding_window": args.sliding_window}
         hf, model_config, weights = random_source(MistralForCausalLM, MistralConfig, shapes, device, dtype)
@@ -386,7 +396,7 @@ def main() -> None:
     kinds = {"gemma2": args.gemma2, "gpt-oss": args.gpt_oss, "glm4-moe": args.glm4_moe, "deepseek-v3": args.deepseek_v3,
              "minimax-m2": args.minimax_m2, "granite-hybrid": args.granite_hybrid, "nemotron-h": args.nemotron_h,
              "qwen3-next": args.qwen3_next, "lfm2": args.lfm2, "falcon-h1": args.falcon_h1,
-             "jamba": args.jamba, "zamba2": args.zamba2}
+             "jamba": args.jamba, "zamba2": args.zamba2, "gpt2": args.gpt2}
     kind = "".join(f" as {name}" for name, chosen in kinds.items() if chosen)
     print(f"model={args.model}{kind} sliding_window={args.sliding_window} "
           f"experts={model_config.num_experts}/{model_config.num_experts_per_tok} device={device} dtype={args.dtype} "
