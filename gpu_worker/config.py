@@ -78,7 +78,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Llama4ForCausalLM", "GlmForCausalLM", "NemotronForCausalLM", "OlmoForCausalLM",
                            "PhiForCausalLM", "GPTNeoXForCausalLM", "Dots1ForCausalLM", "GPT2LMHeadModel",
                            "GPTBigCodeForCausalLM", "GPTJForCausalLM", "OPTForCausalLM", "FalconForCausalLM",
-                           "ApertusForCausalLM")
+                           "ApertusForCausalLM", "PhimoeForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -130,6 +130,9 @@ LLAMA_LIKE_DEFAULTS = {
     "OlmoForCausalLM": {"max_position_embeddings": 2048},
     "ApertusForCausalLM": {"rms_norm_eps": 1e-5, "max_position_embeddings": 65536, "hidden_act": "xielu"},
     "Dots1ForCausalLM": {"num_key_value_heads": 32},
+    "PhimoeForCausalLM": {"vocab_size": 32064, "hidden_size": 4096, "intermediate_size": 6400, "num_hidden_layers": 32,
+                          "num_attention_heads": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+                          "max_position_embeddings": 131072},
     "PhiForCausalLM": {"max_position_embeddings": 2048, "hidden_act": "gelu_new", "partial_rotary_factor": 0.5},
     "GPTNeoXForCausalLM": {"max_position_embeddings": 2048, "hidden_act": "gelu", "attention_bias": True,
                            "use_parallel_residual": True},
@@ -314,6 +317,13 @@ def _rope_from_dict(arch: str, cfg: dict[str, Any]) -> tuple[float, dict[str, An
     scaling["rope_type"] = rope_type
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope_type must be one of {SUPPORTED_ROPE_TYPES}, got {rope_type!r}")
+    if rope_type == "longrope" and ("short_mscale" in scaling or "long_mscale" in scaling):
+        # Phi-3.5-MoE's: cos and sin scaled by short_mscale or long_mscale as the context passes the
+        # pretrained length; served where both are one value (as released), as the attention factor.
+        mscales = {float(scaling.pop(key)) for key in ("short_mscale", "long_mscale") if key in scaling}
+        if len(mscales) != 1:
+            raise ValueError(f"longrope with short_mscale and long_mscale apart ({sorted(mscales)}) is not served")
+        scaling["attention_factor"] = mscales.pop()
     if rope_type == "longrope":
         # Phi-3's 128k models: the pretrained length (above which the long factors apply) sits at
         # the config's top level (read first, as transformers does; Phi-3's default is 4096); the
@@ -1550,6 +1560,16 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
                     moe_scoring="sigmoid", moe_correction_bias=bool(cfg.get("use_expert_bias", True)),
                     routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
                     moe_layers=tuple(num_experts > 0 and i >= read("num_dense_layers", 2) for i in range(num_layers)))
+    if arch == "PhimoeForCausalLM":
+        # Every layer routed (block_sparse_moe), the experts intermediate_size wide; sparsemixer's two
+        # picks (its top k is two), with router_jitter_noise as its threshold.
+        if read("num_experts_per_tok", 2) != 2:
+            raise ValueError(f"PhimoeForCausalLM routes each token to 2 experts (sparsemixer), got "
+                             f"num_experts_per_tok={cfg['num_experts_per_tok']}")
+        return dict(num_experts=read("num_local_experts", 16, "num_experts"), num_experts_per_tok=2,
+                    moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=False,
+                    moe_scoring="sparsemixer",
+                    sparsemixer_jitter_eps=float(cfg.get("router_jitter_noise", 0.01) or 0.0))
     if arch == "OlmoeForCausalLM":
         # Every layer routed; the experts' width is intermediate_size; not renormalised by default.
         return dict(num_experts=read("num_experts", 64, "num_local_experts"),
@@ -1675,7 +1695,10 @@ class ModelConfig:
     # router's e_score_correction_bias) within the moe_topk_groups best of moe_num_groups groups, the
     # weights times routed_scaling_factor. Otherwise the softmax's top k (Mixtral, Qwen, GPT-OSS).
     moe_grouped_topk: bool = False
+    # ("sparsemixer": Phi-3.5-MoE's two picks, each a softmax over the experts within 2 x
+    # sparsemixer_jitter_eps (relative) of its logit.)
     moe_scoring: str = "softmax"
+    sparsemixer_jitter_eps: float = 0.0
     moe_correction_bias: bool = False
     moe_num_groups: int = 1
     moe_topk_groups: int = 1
@@ -2156,6 +2179,7 @@ class ModelConfig:
             # Mistral v0.1 (4096) and Phi-3 (2047 in the 4k models) window every layer.
             sliding = (cfg.get("sliding_window") if arch in ("MistralForCausalLM", "Ministral3ForCausalLM",
                                                              "MixtralForCausalLM", "Phi3ForCausalLM",
+                                                             "PhimoeForCausalLM",
                                                              "Cohere2ForCausalLM", "Exaone4ForCausalLM",
                                                              "Starcoder2ForCausalLM") else None)
             if arch == "SmolLM3ForCausalLM" and cfg.get("use_sliding_window"):

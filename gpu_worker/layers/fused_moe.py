@@ -81,6 +81,23 @@ def select_experts_grouped(router_logits: torch.Tensor, top_k: int, renormalize:
     return weights, ids
 
 
+def select_experts_sparsemixer(router_logits: torch.Tensor, jitter_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phi-3.5-MoE's sparsemixer at inference, as transformers computes it: the top expert, weighted by
+    the softmax over the experts whose logit is within 2 x ``jitter_eps`` of its (relative to the
+    larger of the two magnitudes); then the best of the others, weighted alike among the others.
+    Returns (weights [tokens, 2] fp32, expert ids [tokens, 2])."""
+    weights, ids = [], []
+    scores = router_logits
+    for _ in range(2):
+        best, best_id = scores.max(dim=-1, keepdim=True)
+        factor = router_logits.abs().clamp(min=best)
+        outside = (best - router_logits) / factor > 2 * jitter_eps
+        weights.append(torch.softmax(scores.masked_fill(outside, float("-inf")), dim=-1).gather(-1, best_id))
+        ids.append(best_id)
+        scores = scores.scatter(-1, best_id, float("-inf"))
+    return torch.cat(weights, dim=-1).float(), torch.cat(ids, dim=-1)
+
+
 def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """GPT-OSS's gated activation: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), where g is
     the gate clamped to at most ``limit``."""

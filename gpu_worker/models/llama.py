@@ -25,8 +25,8 @@ from gpu_worker.layers.activation import gated_activation, ungated_activation
 from gpu_worker.layers.attention import PagedAttention
 from gpu_worker.layers.embedding import ParallelLMHead, PositionEmbedding, VocabParallelEmbedding
 from gpu_worker.layers.encoder_attention import EncoderAttention
-from gpu_worker.layers.fused_moe import FusedMoE, select_experts, select_experts_grouped
-from gpu_worker.layers.layernorm import RMSNorm
+from gpu_worker.layers.fused_moe import FusedMoE, select_experts, select_experts_grouped, select_experts_sparsemixer
+from gpu_worker.layers.layernorm import LayerNorm, RMSNorm
 from gpu_worker.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -149,6 +149,7 @@ class SparseMoeBlock(nn.Module):
             self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts, dtype=torch.float32),
                                                              requires_grad=False)
         self.num_groups, self.topk_groups = config.moe_num_groups, config.moe_topk_groups
+        self.jitter_eps = config.sparsemixer_jitter_eps
         self.routed_scaling_factor = config.routed_scaling_factor
         self.experts = FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
                                 config.moe_intermediate_size, expert_parallel=config.expert_parallel,
@@ -171,6 +172,8 @@ class SparseMoeBlock(nn.Module):
                 self.gate.forward(x.float()), self.experts.top_k, self.renormalize,
                 getattr(self.gate, "e_score_correction_bias", None), self.num_groups, self.topk_groups,
                 self.routed_scaling_factor, self.scoring)
+        elif self.scoring == "sparsemixer":
+            weights, ids = select_experts_sparsemixer(self.gate.forward(x), self.jitter_eps)
         else:
             weights, ids = select_experts(self.gate.forward(x), self.experts.top_k, self.renormalize)
         out = self.experts.forward(x, weights, ids)
@@ -587,6 +590,26 @@ class MixtralForCausalLM(LlamaForCausalLM):
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         for name, tensor in weights:
             yield name.replace(".block_sparse_moe.", ".mlp."), tensor
+
+
+class PhimoeDecoderLayer(LlamaDecoderLayer):
+    norm_class = LayerNorm
+
+
+class PhimoeModel(LlamaModel):
+    layer_class = PhimoeDecoderLayer
+
+
+class PhimoeForCausalLM(MixtralForCausalLM):
+    """Microsoft's Phi-3.5-MoE (Phi-3.5-MoE-instruct): Mixtral's layers (``block_sparse_moe``) with
+    LayerNorms, q/k/v/o biases (attention_bias), an LM head with a bias (lm_head_bias), LongRoPE with
+    its mscale, and sparsemixer's routing (ModelConfig.moe_scoring)."""
+
+    model_class = PhimoeModel
+
+    @property
+    def lm_head_bias(self) -> bool:  # (read as the head is built: the config's)
+        return bool(self.config.raw.get("lm_head_bias"))
 
 
 class Qwen2MoeForCausalLM(LlamaForCausalLM):

@@ -222,6 +222,11 @@ CASES = {
     "falcon_11b_style": ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 2,
                                     "num_ln_in_parallel_attn": 1}),
     "falcon_sequential_multi_head": ("falcon", {"parallel_attn": False, "multi_query": False, "bias": False}),
+    # Phi-3.5-MoE: sparsemixer's two picks, LayerNorms, biases, a biased head, LongRoPE with its mscale;
+    # plain RoPE, sparsemixer's released threshold.
+    "phimoe": ("phimoe", {}),
+    "phimoe_plain_rope": ("phimoe", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+                                     "router_jitter_noise": 0.01}),
     # Apertus: per-head q/k norms, an ungated xIELU MLP with each layer's learned scalars, llama3 RoPE.
     "apertus": ("apertus", {}),
     # OPT (learned positions from the table's third row, relu; without biases, untied).
@@ -449,7 +454,8 @@ def test_registry_maps_architectures(tmp_path):
                                    "StableLmForCausalLM", "Llama4ForCausalLM", "GlmForCausalLM",
                                    "NemotronForCausalLM", "OlmoForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM",
                                    "Dots1ForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM", "GPTJForCausalLM",
-                                   "OPTForCausalLM", "FalconForCausalLM", "ApertusForCausalLM", "BertModel",
+                                   "OPTForCausalLM", "FalconForCausalLM", "ApertusForCausalLM", "PhimoeForCausalLM",
+                                   "BertModel",
                                    "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
     assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES) | set(ENCODER_ARCHITECTURES.values())
@@ -1088,6 +1094,29 @@ def test_apertus_config_defaults_and_its_fixed_xielu_scalars(tmp_path):
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"layers\.1\.mlp\.act_fn\.beta.*0\.5"):
         make_runner(path)
+
+
+def test_phimoe_config_as_released():
+    """Phi-3.5-MoE's config: 16 experts, 2 a token by sparsemixer, its LongRoPE's mscale as the
+    attention factor; mscales apart, or another top k, refused."""
+    released = {"architectures": ["PhimoeForCausalLM"], "hidden_size": 4096, "intermediate_size": 6400,
+                "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32064,
+                "num_local_experts": 16, "num_experts_per_tok": 2, "router_jitter_noise": 0.01,
+                "attention_bias": True, "lm_head_bias": True, "max_position_embeddings": 131072,
+                "sliding_window": 131072, "rope_theta": 10000.0,
+                "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 64, "long_factor": [2.0] * 64,
+                                 "short_mscale": 1.243, "long_mscale": 1.243,
+                                 "original_max_position_embeddings": 4096}}
+    config = ModelConfig.from_dict(released)
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (16, 2, 6400)
+    assert config.moe_scoring == "sparsemixer" and config.sparsemixer_jitter_eps == 0.01
+    assert config.rope_scaling["attention_factor"] == 1.243 and config.long_rope_after == 4096
+    assert config.qkv_bias and config.o_proj_bias
+    apart = {**released["rope_scaling"], "long_mscale": 1.5}
+    with pytest.raises(ValueError, match="short_mscale and long_mscale apart"):
+        ModelConfig.from_dict({**released, "rope_scaling": apart})
+    with pytest.raises(ValueError, match="2 experts"):
+        ModelConfig.from_dict({**released, "num_experts_per_tok": 4})
 
 
 def test_opt_125ms_released_names_load(tmp_path):

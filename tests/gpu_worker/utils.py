@@ -62,6 +62,7 @@ from transformers import (
     OPTConfig,
     Phi3Config,
     PhiConfig,
+    PhimoeConfig,
     Qwen2Config,
     Qwen2MoeConfig,
     Qwen3Config,
@@ -314,6 +315,18 @@ def make_config(kind: str = "llama", **overrides):
     # (new_decoder_architecture: 2 KV heads, a norm for each side; or attention then MLP, per-head q/k/v).
     if kind == "falcon":
         return FalconConfig(**{"ffn_hidden_size": kw["intermediate_size"], "bias": True, **_gpt})
+    # Phi-3.5-MoE: 8 experts, 2 a token by sparsemixer (a wide threshold, 0.3, so that its masks bind),
+    # LayerNorms, q/k/v/o biases, a biased head, LongRoPE with its mscale from a pretrained length of 16.
+    # (Its short and long factors alike: transformers' Phimoe rotates with the short ones at any length,
+    # where Microsoft's code and vLLM take the long ones past the pretrained length, as served here.)
+    if kind == "phimoe":
+        factors = LONGROPE["long_factor"]
+        return PhimoeConfig(**{"num_local_experts": 8, "router_jitter_noise": 0.3, "attention_bias": True,
+                               "lm_head_bias": True,
+                               "rope_parameters": {"rope_type": "longrope", "short_factor": factors,
+                                                   "long_factor": factors, "short_mscale": 1.2, "long_mscale": 1.2,
+                                                   "original_max_position_embeddings": 16, "rope_theta": 10000.0},
+                               "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
     # OPT: learned positions from the table's third row, LayerNorms, biases, an ungated relu MLP.
     if kind == "opt":
         return OPTConfig(**{"ffn_dim": kw["intermediate_size"], "init_std": kw["initializer_range"], "pad_token_id": 0,
