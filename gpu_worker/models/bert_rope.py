@@ -40,6 +40,7 @@ from gpu_worker.layers.linear import (
 from gpu_worker.layers.rotary import RotaryEmbedding
 from gpu_worker.layers.weight_utils import WeightLike, materialize
 from gpu_worker.models.bert import BertModel, BertPooler, encoder_layer_norm
+from gpu_worker.models.renamed_checkpoint import rename_parts
 
 
 class RopeBertAttention(nn.Module):
@@ -162,8 +163,7 @@ class RopeBertModel(BertModel):
                     or name.startswith(("cls.", "lm_head.", "mlm_head."))
                     or (name.startswith("pooler.") and self.model.pooler is None)):
                 continue
-            for old, new in self.checkpoint_renames:
-                name = name.replace(old, new)
+            name = rename_parts(name, self.checkpoint_renames)
             if ".self_attn.Wqkv." in name:
                 for part, start in (("q_proj", 0), ("k_proj", hidden), ("v_proj", 2 * hidden)):
                     yield name.replace(".Wqkv.", f".{part}."), tensor.narrow(0, start, hidden)

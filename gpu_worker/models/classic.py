@@ -173,15 +173,9 @@ class GPTNeoXDecoderLayer(LlamaDecoderLayer):
 
     def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.parallel:
-            return super().forward(rope, hidden, residual, meta)
-        # x + attention(norm_1(x)) + mlp(norm_2(x)), x the layer's input.
-        if residual is None:
-            residual, normed = hidden, self.input_layernorm.forward(hidden)
-        else:
-            normed, residual = self.input_layernorm.forward(hidden, residual)
-        mlp_input = self.post_attention_layernorm.forward(residual)
-        return self.self_attn.forward(rope, normed, meta) + self.mlp.forward(mlp_input), residual
+        if self.parallel:  # (each side on a norm of its own)
+            return self.parallel_forward(rope, hidden, residual, meta)
+        return super().forward(rope, hidden, residual, meta)
 
 
 class GPTNeoXModel(LlamaModel):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import torch
 
-from gpu_worker.attn_metadata import AttentionMetadata
 from gpu_worker.config import ModelConfig
 from gpu_worker.models.classic import GPTNeoXDecoderLayer
 from gpu_worker.models.llama import LlamaForCausalLM, LlamaModel
@@ -35,15 +34,8 @@ class FalconDecoderLayer(GPTNeoXDecoderLayer):
         raw = config.raw
         new = bool(raw.get("new_decoder_architecture"))
         self.parallel = new or bool(raw.get("parallel_attn", True))
-        self.one_norm = self.parallel and not (new and int(raw.get("num_ln_in_parallel_attn") or 2) == 2)
-        if self.one_norm:
-            self.post_attention_layernorm = None
-
-    def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, residual: torch.Tensor | None,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.one_norm:
-            return self.parallel_forward(rope, hidden, residual, meta)
-        return super().forward(rope, hidden, residual, meta)
+        if self.parallel and not (new and int(raw.get("num_ln_in_parallel_attn") or 2) == 2):
+            self.post_attention_layernorm = None  # (one norm for both sides)
 
 
 class FalconModel(LlamaModel):

@@ -229,13 +229,16 @@ class LlamaDecoderLayer(nn.Module):
 
     def parallel_forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, residual: torch.Tensor | None,
                          meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention and MLP side by side on one normed input, both added to the residual (Cohere's
-        layers, GPT-NeoX's parallel residual: StableLM 2 12B's)."""
+        """Attention and MLP side by side, both added to the residual: x + attention(norm(x)) +
+        mlp(norm(x)) with one norm (Cohere's, Phi's, GPT-J's, StableLM 2 12B's, falcon-7b's layers:
+        post_attention_layernorm None), x + attention(norm_1(x)) + mlp(norm_2(x)) with two (GPT-NeoX's
+        parallel residual, falcon-40b's)."""
         if residual is None:
             residual, normed = hidden, self.input_layernorm.forward(hidden)
         else:
             normed, residual = self.input_layernorm.forward(hidden, residual)
-        return self.self_attn.forward(rope, normed, meta) + self.mlp.forward(normed), residual
+        mlp_input = normed if self.post_attention_layernorm is None else self.post_attention_layernorm.forward(residual)
+        return self.self_attn.forward(rope, normed, meta) + self.mlp.forward(mlp_input), residual
 
     def _attention(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, residual: torch.Tensor | None,
                    meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
