@@ -78,7 +78,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Llama4ForCausalLM", "GlmForCausalLM", "NemotronForCausalLM", "OlmoForCausalLM",
                            "PhiForCausalLM", "GPTNeoXForCausalLM", "Dots1ForCausalLM", "GPT2LMHeadModel",
                            "GPTBigCodeForCausalLM", "GPTJForCausalLM", "OPTForCausalLM", "FalconForCausalLM",
-                           "ApertusForCausalLM", "PhimoeForCausalLM")
+                           "ApertusForCausalLM", "PhimoeForCausalLM", "BloomForCausalLM", "MptForCausalLM",
+                           "MPTForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -158,13 +159,16 @@ PARTIAL_ROTARY_ARCHITECTURES = ("Phi3ForCausalLM", "Glm4MoeForCausalLM", "MiniMa
 GPT_ARCHITECTURES = ("GPT2LMHeadModel", "GPTBigCodeForCausalLM", "GPTJForCausalLM")
 # Those of learned position embeddings instead of RoPE.
 LEARNED_POSITION_ARCHITECTURES = ("GPT2LMHeadModel", "GPTBigCodeForCausalLM", "OPTForCausalLM")
+# MosaicML's MPT, under transformers' name and its own checkpoints' (MosaicML's code).
+MPT_ARCHITECTURES = ("MptForCausalLM", "MPTForCausalLM")
 # Families of LayerNorms (with their epsilon under layer_norm_eps, norm_epsilon or norm_eps).
 LAYER_NORM_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM", "Starcoder2ForCausalLM", "StableLmForCausalLM",
                             "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM")
 # Those whose MLP is ungated (one projection in, one out), and the activations served there (the
 # tanh forms of gelu under three names: gelu_new, gelu_fast, gelu_pytorch_tanh).
 UNGATED_MLP_ARCHITECTURES = ("Starcoder2ForCausalLM", "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM",
-                             *GPT_ARCHITECTURES, "OPTForCausalLM", "FalconForCausalLM", "ApertusForCausalLM")
+                             *GPT_ARCHITECTURES, "OPTForCausalLM", "FalconForCausalLM", "ApertusForCausalLM",
+                             "BloomForCausalLM", *MPT_ARCHITECTURES)
 UNGATED_ACTIVATIONS = ("relu", "relu2", "gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh", "xielu")
 # transformers' Qwen3NextConfig defaults for the keys a Qwen3-Next config may leave out.
 QWEN3_NEXT_DEFAULTS = {"head_dim": 256, "partial_rotary_factor": 0.25, "linear_conv_kernel_dim": 4,
@@ -1319,18 +1323,87 @@ _FALCON_DEFAULTS = {"vocab_size": 65024, "hidden_size": 4544, "num_hidden_layers
 def _falcon_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """A Falcon config in the other families' key names, as transformers' FalconConfig reads it: its
     KV heads (num_kv_heads under new_decoder_architecture or without multi_query, else one), its MLP
-    (ffn_hidden_size, 4 x hidden where unset; activation), its biases (bias); ALiBi refused."""
+    (ffn_hidden_size, 4 x hidden where unset; activation), its biases (bias); ALiBi (falcon-rw's) is
+    _alibi_fields'."""
     cfg = {**_FALCON_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
     if "n_embed" in cfg:
         cfg["hidden_size"] = cfg["n_embed"]
-    if cfg.get("alibi"):
-        raise ValueError("FalconForCausalLM with alibi (falcon-rw's position biases) is not served")
     heads, hidden = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
     kv = int(cfg.get("num_kv_heads") or heads)
     kv = kv if cfg.get("new_decoder_architecture") or not cfg["multi_query"] else 1
     return {**cfg, "num_key_value_heads": kv, "intermediate_size": int(cfg.get("ffn_hidden_size") or 4 * hidden),
             "hidden_act": cfg["activation"], "attention_bias": bool(cfg["bias"]), "mlp_bias": bool(cfg["bias"]),
             "rms_norm_eps": float(cfg["layer_norm_epsilon"])}
+
+
+# transformers' BloomConfig defaults for the keys a config may leave out, and its names of ours.
+_BLOOM_DEFAULTS = {"vocab_size": 250880, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 8,
+                   "layer_norm_epsilon": 1e-5, "tie_word_embeddings": True}
+_BLOOM_KEYS = {"n_embed": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads"}
+
+
+def _bloom_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A BLOOM config in the other families' key names, as transformers' BloomConfig reads it (n_layer,
+    n_head, n_embed): an MLP 4 x hidden wide of tanh gelu, biases everywhere, 2048 positions (its
+    training length) unless seq_length says; the residual taken after the norm
+    (apply_residual_connection_post_layernorm, which no released BLOOM sets) refused."""
+    given = {k: v for k, v in cfg.items() if v is not None}
+    cfg = {**_BLOOM_DEFAULTS, **given,
+           **{ours: given[theirs] for theirs, ours in _BLOOM_KEYS.items() if theirs in given}}
+    if cfg.get("apply_residual_connection_post_layernorm"):
+        raise ValueError("BloomForCausalLM with apply_residual_connection_post_layernorm (the residual taken after "
+                         "each norm) is not served")
+    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    return {**cfg, "num_key_value_heads": heads, "intermediate_size": 4 * hidden, "hidden_act": "gelu_pytorch_tanh",
+            "attention_bias": True, "mlp_bias": True, "rms_norm_eps": float(cfg["layer_norm_epsilon"]),
+            "max_position_embeddings": int(cfg.get("seq_length") or 2048)}
+
+
+# transformers' MptConfig and MptAttentionConfig defaults for the keys a config may leave out.
+_MPT_DEFAULTS = {"d_model": 2048, "n_heads": 16, "n_layers": 24, "expansion_ratio": 4, "max_seq_len": 2048,
+                 "vocab_size": 50368, "layer_norm_epsilon": 1e-5, "no_bias": True, "tie_word_embeddings": True}
+_MPT_ATTENTION_DEFAULTS = {"attn_type": "multihead_attention", "clip_qkv": None, "softmax_scale": None,
+                           "prefix_lm": False, "qk_ln": False, "alibi": True, "alibi_bias_max": 8}
+
+
+def _mpt_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """An MPT config in the other families' key names, as transformers' MptConfig reads it (d_model,
+    n_heads, n_layers, max_seq_len; attn_config's clip_qkv, softmax_scale and alibi_bias_max), an
+    ungated exact-gelu MLP expansion_ratio x d_model wide. What no released MPT sets and transformers
+    does not run is refused: biases (no_bias false), learned positions in place of ALiBi, a prefix LM,
+    q/k LayerNorms, multi-query or grouped attention, a logit scale."""
+    cfg = {**_MPT_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
+    attn = {**_MPT_ATTENTION_DEFAULTS, **{k: v for k, v in (cfg.get("attn_config") or {}).items() if v is not None}}
+    refused = {"no_bias": (cfg["no_bias"], True, "biases on its projections and norms"),
+               "alibi": (attn["alibi"], True, "learned positions in place of ALiBi"),
+               "prefix_lm": (attn["prefix_lm"], False, "a prefix LM"),
+               "qk_ln": (attn["qk_ln"], False, "LayerNorms over queries and keys"),
+               "attn_type": (attn["attn_type"], "multihead_attention", "multi-query or grouped attention"),
+               "logit_scale": (cfg.get("logit_scale"), None, "scaled logits")}
+    for key, (value, served, what) in refused.items():
+        if value != served:
+            raise ValueError(f"MPTForCausalLM with {key}={value!r} ({what}) is not served")
+    hidden, heads = int(cfg["d_model"]), int(cfg["n_heads"])
+    return {**cfg, "hidden_size": hidden, "num_attention_heads": heads, "num_key_value_heads": heads,
+            "num_hidden_layers": int(cfg["n_layers"]), "intermediate_size": int(cfg["expansion_ratio"]) * hidden,
+            "max_position_embeddings": int(cfg["max_seq_len"]), "hidden_act": "gelu", "attention_bias": False,
+            "mlp_bias": False, "rms_norm_eps": float(cfg["layer_norm_epsilon"]), "clip_qkv": attn["clip_qkv"],
+            "softmax_scale": attn["softmax_scale"], "alibi_bias_max": float(attn["alibi_bias_max"])}
+
+
+def _alibi_fields(arch: str, cfg: dict[str, Any], head_dim: int, num_layers: int) -> dict[str, Any]:
+    """BLOOM's, MPT's and falcon-rw's ALiBi in place of RoPE: the slopes' alibi_bias_max (8 but where
+    MPT's config says) and their scale (Falcon adds its biases before scaling the scores, so its slopes
+    are scaled with them); MPT's softmax_scale; BLOOM's LayerNorm over the embeddings."""
+    if arch == "BloomForCausalLM":
+        return {"alibi_bias_max": 8.0, "rope_layers": (False,) * num_layers, "embedding_norm": True}
+    if arch in MPT_ARCHITECTURES:
+        scale = cfg.get("softmax_scale")
+        return {"alibi_bias_max": cfg["alibi_bias_max"], "rope_layers": (False,) * num_layers,
+                **({} if scale is None else {"attention_multiplier": float(scale)})}
+    if arch == "FalconForCausalLM" and cfg.get("alibi"):
+        return {"alibi_bias_max": 8.0, "alibi_slope_scale": head_dim ** -0.5, "rope_layers": (False,) * num_layers}
+    return {}
 
 
 def _learned_positions_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
@@ -1745,8 +1818,14 @@ class ModelConfig:
     # GPT-2, GPTBigCode, OPT: a learned table of a row per position (max_position_embeddings of them,
     # after position_offset unread ones) added to the token embeddings, in place of RoPE.
     learned_positions: bool = False
-    # OLMo, OLMoE: q, k (after their norms) and v clamped to [-clip_qkv, clip_qkv] (None: not clamped).
+    # OLMo, OLMoE, MPT: q, k (after any norms) and v clamped to [-clip_qkv, clip_qkv] (None: not clamped).
     clip_qkv: float | None = None
+    # BLOOM, MPT, falcon-rw: ALiBi's linear biases by distance in place of RoPE, the slopes of
+    # layers.attention.alibi_slopes for this bias_max (None: no ALiBi) times alibi_slope_scale.
+    alibi_bias_max: float | None = None
+    alibi_slope_scale: float = 1.0
+    # BLOOM: a LayerNorm over the embeddings, before the first layer.
+    embedding_norm: bool = False
     # Granite: the embeddings times embedding_multiplier, each attention and MLP output times
     # residual_multiplier before its residual add, the scores scaled by attention_multiplier (instead
     # of head_dim ** -0.5), the logits divided by logits_scaling.
@@ -2057,6 +2136,10 @@ class ModelConfig:
             cfg = _opt_config(cfg)
         if arch == "FalconForCausalLM":
             cfg = _falcon_config(cfg)
+        if arch == "BloomForCausalLM":
+            cfg = _bloom_config(cfg)
+        if arch in MPT_ARCHITECTURES:
+            cfg = _mpt_config(cfg)
         if arch in LLAMA_LIKE_DEFAULTS:
             cfg = {**LLAMA_LIKE_DEFAULTS[arch], **{k: v for k, v in cfg.items() if v is not None}}
         if arch == "ApertusForCausalLM" and not cfg.get("rope_parameters") and not cfg.get("rope_scaling"):
@@ -2278,7 +2361,8 @@ class ModelConfig:
             **_exaone4_fields(arch, cfg),
             **_llama4_fields(arch, cfg),
             **_learned_positions_fields(arch, cfg, num_layers),
-            clip_qkv=(float(cfg["clip_qkv"]) if arch in ("OlmoForCausalLM", "OlmoeForCausalLM")
+            **_alibi_fields(arch, cfg, head_dim, num_layers),
+            clip_qkv=(float(cfg["clip_qkv"]) if arch in ("OlmoForCausalLM", "OlmoeForCausalLM", *MPT_ARCHITECTURES)
                       and cfg.get("clip_qkv") is not None else None),
             **mla,
             # (An encoder's every token has seen the whole prompt: its mean, unless its files say.)

@@ -110,11 +110,11 @@ def _load_library() -> ctypes.CDLL | None:
     fn = lib.llmc_paged_decode_attention_f32
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_float,
-                   ptr, ctypes.c_int]
+                   ptr, ptr, ctypes.c_int]
     fn.restype = ctypes.c_int
     fn8 = lib.llmc_paged_decode_attention_fp8
     fn8.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float,
-                    ctypes.c_float, ptr, ctypes.c_int]
+                    ctypes.c_float, ptr, ptr, ctypes.c_int]
     fn8.restype = ctypes.c_int
     lib.llmc_fp8_to_float.argtypes = [ctypes.c_uint8, ctypes.c_int]
     lib.llmc_fp8_to_float.restype = ctypes.c_float
@@ -132,7 +132,8 @@ def cpu_kernels_available() -> bool:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            key_starts: torch.Tensor | None = None, softcap: float | None = None,
-                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+                           sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None
+                           ) -> torch.Tensor:
     """One query token per request against its paged keys/values, read where they lie.
 
     q: [num_reqs, num_heads, head_dim] fp32; k_cache/v_cache: [num_blocks, block_size, num_kv_heads,
@@ -141,7 +142,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     [num_reqs] int64; key_starts: [num_reqs] int64 first key of each request (a sliding window's
     start; None: 0), whose earlier blocks are not read; softcap: scores become softcap * tanh(score /
     softcap) before the softmax (Gemma 2); sinks: [num_heads] fp32 attention sinks (GPT-OSS: one more
-    logit in each head's softmax, with no value). Returns [num_reqs, num_heads, head_dim].
+    logit in each head's softmax, with no value); alibi_slopes: [num_heads] fp32 ALiBi slopes (each
+    score gains slope * (key position - the query's), after the scale). Returns [num_reqs, num_heads,
+    head_dim].
     """
     if _load_library() is None:
         raise RuntimeError("the CPU paged attention kernel is not available")
@@ -161,23 +164,25 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError("block_table must be [num_reqs, max_blocks] and seq_lens [num_reqs]")
     if key_starts is not None and key_starts.shape != (num_reqs,):
         raise ValueError("key_starts must be [num_reqs]")
-    if sinks is not None and (sinks.dtype != torch.float32 or sinks.shape != (q.shape[1],)):
-        raise ValueError("sinks must be float32 [num_heads]")
+    for name, t in (("sinks", sinks), ("alibi_slopes", alibi_slopes)):
+        if t is not None and (t.dtype != torch.float32 or t.shape != (q.shape[1],)):
+            raise ValueError(f"{name} must be float32 [num_heads]")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the KV cache must be contiguous")
     return paged_decode_attention_unchecked(q, k_cache, v_cache, block_table.contiguous(), seq_lens.contiguous(),
                                             scale, None if key_starts is None else key_starts.contiguous(), softcap,
-                                            None if sinks is None else sinks.contiguous())
+                                            None if sinks is None else sinks.contiguous(),
+                                            None if alibi_slopes is None else alibi_slopes.contiguous())
 
 
 def paged_decode_attention_unchecked(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                      block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                                      key_starts: torch.Tensor | None = None,
-                                     softcap: float | None = None, sinks: torch.Tensor | None = None
-                                     ) -> torch.Tensor:
+                                     softcap: float | None = None, sinks: torch.Tensor | None = None,
+                                     alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """``paged_decode_attention`` for callers that guarantee its argument rules: the attention layer,
     whose block table and lengths the metadata builder makes once per step for every layer (and whose
-    sinks are contiguous float32)."""
+    sinks and ALiBi slopes are contiguous float32)."""
     q = q.contiguous()
     out = torch.empty_like(q)
     num_reqs, num_heads, head_dim = q.shape
@@ -188,16 +193,18 @@ def paged_decode_attention_unchecked(q: torch.Tensor, k_cache: torch.Tensor, v_c
     starts = None if key_starts is None else key_starts.data_ptr()
     cap = float(softcap or 0.0)
     sink_ptr = None if sinks is None else sinks.data_ptr()
+    slopes_ptr = None if alibi_slopes is None else alibi_slopes.data_ptr()
     if k_cache.dtype == torch.float32:
         status = lib.llmc_paged_decode_attention_f32(  # type: ignore[union-attr]
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(), block_table.stride(0),
             seq_lens.data_ptr(), starts, out.data_ptr(), num_reqs, num_heads, num_kv_heads, head_dim, block_size,
-            float(scale), cap, sink_ptr, torch.get_num_threads())
+            float(scale), cap, sink_ptr, slopes_ptr, torch.get_num_threads())
     elif k_cache.dtype in FP8_DTYPES:
         status = lib.llmc_paged_decode_attention_fp8(  # type: ignore[union-attr]
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.float8_e5m2),
             block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), starts, out.data_ptr(), num_reqs,
-            num_heads, num_kv_heads, head_dim, block_size, float(scale), cap, sink_ptr, torch.get_num_threads())
+            num_heads, num_kv_heads, head_dim, block_size, float(scale), cap, sink_ptr, slopes_ptr,
+            torch.get_num_threads())
     else:
         raise TypeError(f"the decode kernel reads float32 or fp8 caches, not {k_cache.dtype}")
     if status == 5:  # checked in C: a host-side max() per layer per step would cost more than the check

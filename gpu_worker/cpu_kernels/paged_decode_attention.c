@@ -20,6 +20,9 @@
  *                before a request's first key are not read
  *   sinks        [num_heads] float32 attention sinks (GPT-OSS), or NULL: each head's softmax has one
  *                more logit, its sink, whose value row is zero (it only takes probability away)
+ *   alibi_slopes [num_heads] float32 ALiBi slopes (BLOOM, MPT, falcon-rw), or NULL: head h's score of
+ *                the key at position p gains slope[h] * (p - (seq_len - 1)), its distance behind the
+ *                query, after the scale
  * Returns 0, or a nonzero status for arguments it cannot handle.
  */
 #include <float.h>
@@ -66,7 +69,7 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
     const float *q, const void *k_cache, const void *v_cache, int format, const int64_t *block_table,
     int64_t block_table_stride, const int64_t *seq_lens, const int64_t *key_starts, float *out, int64_t num_reqs,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, float softcap,
-    const float *sinks, int num_threads) {
+    const float *sinks, const float *alibi_slopes, int num_threads) {
     const int fp8 = format != CACHE_F32;
     const int64_t elem_size = fp8 ? 1 : (int64_t)sizeof(float);
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 1;
@@ -166,6 +169,15 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
                             scores[h * block_size + t] = dot * scale;
                         }
                     }
+                    if (alibi_slopes != NULL) {
+                        /* ALiBi: the key at position b * block_size + t lies (len - 1) - that behind */
+                        const float behind0 = (float)(b * block_size - (len - 1));
+                        for (int64_t h = 0; h < nh; ++h) {
+                            float *sh = scores + h * block_size;
+                            const float slope = alibi_slopes[h0 + h];
+                            for (int64_t t = t0; t < n; ++t) sh[t] += slope * (behind0 + (float)t);
+                        }
+                    }
                     if (softcap > 0.f) {
                         /* Gemma 2's soft cap, cap * tanh(score / cap), over each head's contiguous
                          * scores (a loop the compiler vectorises, tanhf included) */
@@ -224,10 +236,10 @@ int llmc_paged_decode_attention_f32(const float *q, const float *k_cache, const 
                                     const int64_t *seq_lens, const int64_t *key_starts, float *out,
                                     int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                     int64_t block_size, float scale, float softcap, const float *sinks,
-                                    int num_threads) {
+                                    const float *alibi_slopes, int num_threads) {
     return paged_decode_attention(q, k_cache, v_cache, CACHE_F32, block_table, block_table_stride, seq_lens,
                                   key_starts, out, num_reqs, num_heads, num_kv_heads, head_dim, block_size, scale,
-                                  softcap, sinks, num_threads);
+                                  softcap, sinks, alibi_slopes, num_threads);
 }
 
 /* e5m2: 0 for e4m3 (torch.float8_e4m3fn), 1 for e5m2 (torch.float8_e5m2). */
@@ -236,14 +248,14 @@ int llmc_paged_decode_attention_fp8(const float *q, const uint8_t *k_cache, cons
                                     const int64_t *seq_lens, const int64_t *key_starts, float *out,
                                     int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                     int64_t block_size, float scale, float softcap, const float *sinks,
-                                    int num_threads) {
+                                    const float *alibi_slopes, int num_threads) {
     if (e5m2)
         return paged_decode_attention(q, k_cache, v_cache, CACHE_FP8_E5M2, block_table, block_table_stride,
                                       seq_lens, key_starts, out, num_reqs, num_heads, num_kv_heads, head_dim,
-                                      block_size, scale, softcap, sinks, num_threads);
+                                      block_size, scale, softcap, sinks, alibi_slopes, num_threads);
     return paged_decode_attention(q, k_cache, v_cache, CACHE_FP8_E4M3, block_table, block_table_stride, seq_lens,
                                   key_starts, out, num_reqs, num_heads, num_kv_heads, head_dim, block_size, scale,
-                                  softcap, sinks, num_threads);
+                                  softcap, sinks, alibi_slopes, num_threads);
 }
 
 /* For tests: the value of one fp8 byte, as the kernel reads it. */

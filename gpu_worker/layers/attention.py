@@ -8,10 +8,15 @@ scheduler can hand request B prefix-cache blocks that request A fills in this ve
 Gemma 2 caps attention scores softly (cap * tanh(score / cap)) before the softmax, and GPT-OSS adds
 an attention sink to each head's softmax (one more logit, learnt per head, with no value: it only
 takes probability away from the keys), which SDPA cannot do: those layers attend through
-``eager_attention`` (or the CPU decode kernel, which caps and sinks in C).
+``eager_attention`` (or the CPU decode kernel, which caps and sinks in C). So do the ALiBi layers
+(BLOOM, MPT, falcon-rw: no rotary positions; each head's score of a key gains its slope times the
+key's distance behind the query, added in fp32 to the scaled scores; vLLM's kernels take the slopes
+alike).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -37,19 +42,42 @@ def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int, dtype
     return read_kv(kv, dtype).transpose(-3, -2)
 
 
+def alibi_slopes(num_heads: int, bias_max: float = 8.0) -> torch.Tensor:
+    """ALiBi's slope of each head, fp32 [num_heads] (Press et al.): with n the power of two at or above
+    num_heads, 2^(-bias_max * i / n) for i = 1..n; where num_heads is not a power of two, the even i's
+    then the odd ones, the first num_heads of them. MPT's form (``alibi_bias_max``); BLOOM's and
+    Falcon's (a base of 2^(-8 / n) and the in-between powers for the remaining heads) give the same
+    values, their bias_max being 8."""
+    n = 2 ** math.ceil(math.log2(num_heads))
+    slopes = torch.pow(2.0, -torch.arange(1, n + 1, dtype=torch.float64) * (bias_max / n))
+    if n != num_heads:
+        slopes = torch.cat((slopes[1::2], slopes[::2]))[:num_heads]
+    return slopes.float()
+
+
+def alibi_bias(slopes: torch.Tensor, behind: torch.Tensor) -> torch.Tensor:
+    """fp32 biases slope * distance: ``slopes`` broadcast against ``behind`` (key position minus
+    query position, <= 0 where the key is seen)."""
+    return slopes * behind.to(torch.float32)
+
+
 # Eager prefill holds its scores in memory (fp32 for the softmax): 2^24 of them (64 MiB) at most at once.
 _SCORES_PER_TILE = 1 << 24
 
 
 def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                    scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """Attention with its scores materialised, as transformers' eager Gemma 2 and GPT-OSS compute it
     (the softmax in fp32). q: [B, num_kv_heads, R, head_dim], the rows of every query head sharing a KV
     head stacked (so one matmul per KV head reads its keys once); k, v: [B, num_kv_heads, N,
     head_dim]; mask: bool (True = attend), broadcastable to [B, num_kv_heads, R, N], or None; softcap:
     scores become softcap * tanh(score / softcap); sinks: each row's sink logit, fp32 broadcastable to
-    [B, num_kv_heads, R, 1] (one more softmax term, with no value). Returns [B, num_kv_heads, R, head_dim]."""
+    [B, num_kv_heads, R, 1] (one more softmax term, with no value); bias: fp32, broadcastable to the
+    scores, added to them in fp32 after the scale (ALiBi's). Returns [B, num_kv_heads, R, head_dim]."""
     scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    if bias is not None:
+        scores = bias + scores  # (fp32: a bf16 score cannot hold a bias of hundreds to the precision asked)
     if softcap is not None:
         scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
     if mask is not None:
@@ -72,7 +100,7 @@ def _sinks_loader(param: nn.Parameter, loaded: WeightLike, shard_id: int | str |
 class PagedAttention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: Window | None = None, softcap: float | None = None, sinks: bool = False,
-                 tiled_prefill_on: tuple[str, ...] = ()) -> None:
+                 tiled_prefill_on: tuple[str, ...] = (), alibi_slopes: torch.Tensor | None = None) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -91,8 +119,15 @@ class PagedAttention(nn.Module):
             self.sinks.weight_loader = _sinks_loader
         else:
             self.register_parameter("sinks", None)
-        # Scores not through SDPA: soft-capped or sunk.
-        self.eager = softcap is not None or sinks
+        # ALiBi: the slope of each of this rank's query heads, fp32 [num_heads] (None: no ALiBi).
+        if alibi_slopes is not None and alibi_slopes.shape != (num_heads,):
+            raise ValueError(f"alibi_slopes must hold one slope per head ({num_heads}), "
+                             f"got {tuple(alibi_slopes.shape)}")
+        if alibi_slopes is not None and sliding_window is not None:
+            raise ValueError("ALiBi with a sliding window is not served")
+        self.register_buffer("alibi_slopes", None if alibi_slopes is None else alibi_slopes.float(), persistent=False)
+        # Scores not through SDPA: soft-capped, sunk or biased.
+        self.eager = softcap is not None or sinks or alibi_slopes is not None
         # Device types on which prefills take their scores in bounded tiles (eager) rather than SDPA:
         # MLA's 576-value heads over one KV head on CUDA, where no FlashAttention kernel takes heads
         # wider than 256 and SDPA's fallback would hold every query head's scores over the whole
@@ -120,7 +155,8 @@ class PagedAttention(nn.Module):
                 # The CPU kernel reads each request's blocks where they lie: no per-layer gather copy.
                 decode_out = paged_decode_attention_unchecked(q[:nd], k_cache, v_cache, meta.decode_block_table,
                                                               meta.decode_seq_lens, self.scale,
-                                                              meta.decode_key_starts, self.softcap, self.sinks)
+                                                              meta.decode_key_starts, self.softcap, self.sinks,
+                                                              self.alibi_slopes)
             else:
                 kd = _gather_kv(k_cache, meta.decode_block_table, meta.decode_max_seq_len, q.dtype)
                 vd = _gather_kv(v_cache, meta.decode_block_table, meta.decode_max_seq_len, q.dtype)
@@ -132,7 +168,8 @@ class PagedAttention(nn.Module):
                                                                 scale=self.scale)
                 else:  # (the one query token's heads are the rows of their KV head)
                     sinks = None if self.sinks is None else self.sinks.view(num_kv_heads, self.num_groups, 1)
-                    decode_out = eager_attention(qd, kd, vd, meta.decode_mask, self.scale, self.softcap, sinks)
+                    decode_out = eager_attention(qd, kd, vd, meta.decode_mask, self.scale, self.softcap, sinks,
+                                                 self._decode_alibi_bias(meta))
             # (reshape: CUDA's SDPA kernels write [nd, groups, kv_heads, head_dim] in memory and hand
             # it back transposed, which no view can flatten.)
             if not meta.prefills:
@@ -155,6 +192,19 @@ class PagedAttention(nn.Module):
             out[s:e] = op[0].transpose(0, 1)
         return out.reshape(num_tokens, self.num_heads * head_dim)
 
+    def _decode_alibi_bias(self, meta: AttentionMetadata) -> torch.Tensor | None:
+        """[num_decodes, num_kv_heads, groups, decode_max_seq_len] ALiBi biases of the gathered decode
+        keys (None without ALiBi): each row's query is its last key (its length from the padding mask)."""
+        if self.alibi_slopes is None:
+            return None
+        keys = torch.arange(meta.decode_max_seq_len, device=self.alibi_slopes.device)
+        if meta.decode_mask is None:  # (every row reads all its keys)
+            behind = keys - (meta.decode_max_seq_len - 1)
+        else:
+            behind = keys - (meta.decode_mask.sum(-1, keepdim=True).view(-1, 1, 1, 1) - 1)
+        slopes = self.alibi_slopes.view(1, self.num_kv_heads, self.num_groups, 1)
+        return alibi_bias(slopes, behind)
+
     def _eager_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
                             ) -> torch.Tensor:
         """One prefill chunk's q [L, num_heads, head_dim] against its keys [1, num_kv_heads, N, head_dim];
@@ -167,6 +217,9 @@ class PagedAttention(nn.Module):
         tile = max(1, _SCORES_PER_TILE // (self.num_heads * num_keys))
         # [kv_heads, groups, 1]: each query head's sink, for the rows of its tile.
         sinks = None if self.sinks is None else self.sinks.view(kv_heads, groups, 1)
+        # (ALiBi: the chunk is the last num_queries of the keys, query i at key num_keys - num_queries + i.)
+        slopes = None if self.alibi_slopes is None else self.alibi_slopes.view(kv_heads, groups, 1, 1)
+        keys = None if slopes is None else torch.arange(num_keys, device=q.device)
         outs = []
         for i in range(0, num_queries, tile):
             rows = min(tile, num_queries - i)
@@ -176,8 +229,13 @@ class PagedAttention(nn.Module):
             else:
                 tile_mask = mask[i: i + rows]
             tile_sinks = None if sinks is None else sinks.expand(kv_heads, groups, rows).reshape(kv_heads, -1, 1)
+            bias = None
+            if slopes is not None:
+                queries = torch.arange(num_keys - num_queries + i, num_keys - num_queries + i + rows, device=q.device)
+                bias = alibi_bias(slopes, keys[None, :] - queries[:, None]).reshape(1, kv_heads, groups * rows,
+                                                                                    num_keys)
             out = eager_attention(grouped[:, :, i: i + rows].reshape(1, kv_heads, groups * rows, head_dim),
-                                  k, v, tile_mask.repeat(groups, 1), self.scale, self.softcap, tile_sinks)
+                                  k, v, tile_mask.repeat(groups, 1), self.scale, self.softcap, tile_sinks, bias)
             outs.append(out.reshape(kv_heads, groups, rows, head_dim))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         return out.permute(2, 0, 1, 3).reshape(num_queries, self.num_heads, head_dim)

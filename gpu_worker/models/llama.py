@@ -22,7 +22,7 @@ from gpu_worker import distributed
 from gpu_worker.attn_metadata import AttentionMetadata
 from gpu_worker.config import ModelConfig
 from gpu_worker.layers.activation import gated_activation, ungated_activation
-from gpu_worker.layers.attention import PagedAttention
+from gpu_worker.layers.attention import PagedAttention, alibi_slopes
 from gpu_worker.layers.embedding import ParallelLMHead, PositionEmbedding, VocabParallelEmbedding
 from gpu_worker.layers.encoder_attention import EncoderAttention
 from gpu_worker.layers.fused_moe import FusedMoE, select_experts, select_experts_grouped, select_experts_sparsemixer
@@ -50,12 +50,18 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.qkv_proj.kv_size
         self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size,
                                         bias=config.o_proj_bias)
+        # BLOOM's, MPT's, falcon-rw's ALiBi: the slopes of this rank's heads.
+        slopes = None
+        if config.alibi_bias_max is not None:
+            first = self.qkv_proj.tp_rank * self.num_heads
+            slopes = alibi_slopes(config.num_attention_heads, config.alibi_bias_max)[first: first + self.num_heads]
+            slopes = slopes * config.alibi_slope_scale
         # (A decoder run as an encoder, EmbeddingGemma, attends both ways within each prompt: no cache.)
         self.attn = (EncoderAttention(self.num_heads, self.num_kv_heads, self.head_dim, config.attention_scale,
                                       config.layer_sliding_window(layer)) if config.encoder_only else
                      PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, config.attention_scale,
                                     config.layer_sliding_window(layer), config.attn_logit_softcapping,
-                                    config.attention_sinks))
+                                    config.attention_sinks, alibi_slopes=slopes))
         # Qwen3 (and Gemma 3): one norm over each query head and one over each key head (weights of
         # head_dim, the same on every TP rank), before RoPE.
         self.q_norm = norm_class(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -294,7 +300,7 @@ class PipelineStage:
         if not self.holds_embedding:
             missing.append("model.embed_tokens.")
         if not self.first:
-            missing.append("model.embed_positions.")
+            missing += ["model.embed_positions.", "model.embed_norm."]
         if not self.last:
             missing += ["model.norm.", "lm_head."]
         return tuple(missing)
@@ -312,6 +318,9 @@ class LlamaModel(nn.Module):
         self.embed_positions = (PositionEmbedding(config.max_position_embeddings, config.hidden_size,
                                                   config.position_offset)
                                 if config.learned_positions and stage.first else None)
+        # BLOOM's LayerNorm over the first layer's input (the tokens' embeddings, or those given).
+        self.embed_norm = (self.layer_class.norm_class(config.hidden_size, config.rms_norm_eps)
+                           if config.embedding_norm and stage.first else None)
         self.rotary_emb = RotaryEmbedding(config.rotary_dim or config.head_dim, config.max_context_len,
                                           config.rope_theta, config.rope_scaling,
                                           mrope_section=config.mrope_section,
@@ -353,6 +362,8 @@ class LlamaModel(nn.Module):
             hidden = self.embed_tokens.forward(input_ids) if inputs_embeds is None else inputs_embeds
             if self.embed_positions is not None:
                 hidden = hidden + self.embed_positions.forward(positions)
+            if self.embed_norm is not None:
+                hidden = self.embed_norm.forward(hidden)
             if self.embedding_multiplier != 1.0:
                 hidden = hidden * self.embedding_multiplier
             residual = None

@@ -9,6 +9,7 @@ from gpu_worker.models.apertus import ApertusForCausalLM
 from gpu_worker.models.arcee import ArceeForCausalLM
 from gpu_worker.models.bert import BertModel, RobertaModel
 from gpu_worker.models.bert_rope import JinaEmbeddingsV3Model, RopeBertModel
+from gpu_worker.models.bloom import BloomForCausalLM
 from gpu_worker.models.classic import (
     GPTNeoXForCausalLM,
     NemotronForCausalLM,
@@ -56,6 +57,7 @@ from gpu_worker.models.llama4 import Llama4ForCausalLM
 from gpu_worker.models.llava import llava_class
 from gpu_worker.models.minimax_m2 import MiniMaxM2ForCausalLM
 from gpu_worker.models.modernbert import ModernBertModel
+from gpu_worker.models.mpt import MPTForCausalLM, MptForCausalLM
 from gpu_worker.models.mtp import MTP_DRAFTERS
 from gpu_worker.models.nemotron_h import (
     FalconMambaForCausalLM,
@@ -142,6 +144,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GPTJForCausalLM": GPTJForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
     "FalconForCausalLM": FalconForCausalLM,
+    "BloomForCausalLM": BloomForCausalLM,
+    "MptForCausalLM": MptForCausalLM,
+    "MPTForCausalLM": MPTForCausalLM,
     "ApertusForCausalLM": ApertusForCausalLM,
     "PhimoeForCausalLM": PhimoeForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,

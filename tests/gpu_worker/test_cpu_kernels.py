@@ -11,10 +11,13 @@ from gpu_worker.cpu_kernels import add_rms_norm, cpu_kernels_available, paged_de
 from gpu_worker.layers.layernorm import RMSNorm
 
 
-def reference(q, k_cache, v_cache, block_table, seq_lens, scale, key_starts=None, softcap=None, sinks=None):
+def reference(q, k_cache, v_cache, block_table, seq_lens, scale, key_starts=None, softcap=None, sinks=None,
+              alibi=None):
     """Per request: gather its keys/values token by token (from its key start), repeat KV heads,
     softmax(q k^T) v (the scores capped at softcap * tanh(score / softcap) where given; each head's
-    softmax with one more term, exp(sink), where ``sinks`` [H] are given)."""
+    softmax with one more term, exp(sink), where ``sinks`` [H] are given; each score plus its head's
+    slope times the key's position, where ALiBi slopes [H] are given: softmax is unmoved by the
+    query's own position, the same for every key)."""
     num_reqs, num_heads, _ = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
@@ -25,6 +28,8 @@ def reference(q, k_cache, v_cache, block_table, seq_lens, scale, key_starts=None
         k = k_cache[blocks, pos % block_size].repeat_interleave(num_heads // num_kv_heads, dim=1)  # [n, H, D]
         v = v_cache[blocks, pos % block_size].repeat_interleave(num_heads // num_kv_heads, dim=1)
         scores = torch.einsum("hd,nhd->hn", q[r].double(), k.double()) * scale
+        if alibi is not None:
+            scores = scores + alibi.double()[:, None] * pos.double()[None, :]
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
         if sinks is None:
@@ -97,6 +102,28 @@ def test_attention_sinks_match_reference(cache):
     assert (got - unsunk).abs().max() > 0.05
     with pytest.raises(ValueError, match="sinks"):
         paged_decode_attention(q, k, v, table, seq_lens, 0.25, key_starts, sinks=sinks[:4])
+
+
+@pytest.mark.parametrize("cache", ["float32", "fp8"])
+def test_alibi_biases_match_reference(cache):
+    """ALiBi's slopes, in C: each score gains its head's slope times the key's distance behind the
+    query, over lengths crossing blocks, with key starts and a one-key request; slopes given to the wrong
+    heads show."""
+    from gpu_worker.layers.attention import alibi_slopes
+
+    q, k, v, table, seq_lens = random_case(4, 8, 2, 16, 4, [9, 23, 1, 40], seed=9)
+    key_starts = torch.tensor([0, 15, 0, 3], dtype=torch.int64)
+    slopes = alibi_slopes(8)
+    if cache == "fp8":
+        k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+    ref_k, ref_v = k.float(), v.float()
+    got = paged_decode_attention(q, k, v, table, seq_lens, 0.25, key_starts, alibi_slopes=slopes)
+    torch.testing.assert_close(got, reference(q, ref_k, ref_v, table, seq_lens, 0.25, key_starts, alibi=slopes),
+                               atol=2e-5, rtol=1e-4)
+    for other in (None, slopes.flip(0)):
+        assert (got - reference(q, ref_k, ref_v, table, seq_lens, 0.25, key_starts, alibi=other)).abs().max() > 0.05
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        paged_decode_attention(q, k, v, table, seq_lens, 0.25, key_starts, alibi_slopes=slopes[:4])
 
 
 def test_non_contiguous_query_and_thread_counts():

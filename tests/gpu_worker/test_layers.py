@@ -27,16 +27,20 @@ H, KVH, D, BS = 4, 2, 8, 4
 
 def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
                     window: int | None = None, scale: float | None = None,
-                    softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    softcap: float | None = None, sinks: torch.Tensor | None = None,
+                    alibi: torch.Tensor | None = None) -> torch.Tensor:
     """q: [n, H, D] for positions start..start+n-1; k, v: [start+n, KVH, D] (all keys so far); a
     sliding window lets position p see keys p - window + 1 .. p; scores are scaled by ``scale``
     (1 / sqrt(D) by default) and soft-capped where ``softcap`` is given; ``sinks`` [H]: each head's
-    softmax has one more term, exp(sink), with no value."""
+    softmax has one more term, exp(sink), with no value; ``alibi`` [H]: each score gains its head's
+    slope times the key's position (BLOOM's form: the query's own position moves no softmax)."""
     n, s = q.shape[0], k.shape[0]
     rep = q.shape[1] // k.shape[1]
     kk = k.repeat_interleave(rep, 1).transpose(0, 1)
     vv = v.repeat_interleave(rep, 1).transpose(0, 1)
     scores = q.transpose(0, 1) @ kk.transpose(1, 2) * (scale or 1 / math.sqrt(q.shape[-1]))
+    if alibi is not None:
+        scores = scores + alibi[:, None, None] * torch.arange(s, dtype=torch.float32)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     allowed = torch.arange(s)[None, :] <= (start + torch.arange(n))[:, None]
@@ -231,6 +235,48 @@ def test_attention_sinks_on_every_path(monkeypatch, decode_in_place, window, til
     torch.testing.assert_close(out, expected(sinks), atol=1e-5, rtol=1e-5)
     assert not torch.allclose(out, expected(None), atol=1e-2)  # the sinks change the result
     assert not torch.allclose(out, expected(sinks.flip(0)), atol=1e-2)  # each head its own
+
+
+@pytest.mark.parametrize("tiled", [False, True], ids=["one-tile", "row-tiles"])
+@pytest.mark.parametrize("decode_in_place", [True, False], ids=["kernel", "gather"])
+def test_alibi_on_every_path(monkeypatch, decode_in_place, tiled):
+    """ALiBi's per-head slopes: decodes at several lengths (in C, or gathered with a padding mask)
+    and prefill chunks from 0 and from an offset, against dense attention with BLOOM's bias (slope times
+    the key's absolute position). Slopes given to the wrong heads, or none, show."""
+    from gpu_worker.layers import attention
+
+    if tiled:
+        monkeypatch.setattr(attention, "_SCORES_PER_TILE", 40)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    layer = PagedAttention(H, KVH, D, D ** -0.5, alibi_slopes=slopes)
+    out, _, seqs, step2 = _two_steps_of_four_requests(layer, decode_in_place, seed=8)
+
+    def expected(alibi):
+        return torch.cat([dense_reference(seqs[n][0][s:e], seqs[n][1][:e], seqs[n][2][:e], s, alibi=alibi)
+                          for n, (s, e) in step2.items()])
+
+    torch.testing.assert_close(out, expected(slopes), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out, expected(None), atol=1e-2)
+    assert not torch.allclose(out, expected(slopes.flip(0)), atol=1e-2)
+
+
+def test_alibi_slopes_are_bloom_and_mpt_slopes():
+    """One formula for every head count: BLOOM's (and Falcon's) builder and MPT's, as transformers
+    writes them, head counts of powers of two and not (BLOOM-176B's 112, falcon-rw's 32, 12, 71)."""
+    from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+    from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
+
+    from gpu_worker.layers.attention import alibi_slopes
+
+    for heads in (1, 4, 12, 32, 71, 112):
+        bloom = build_alibi_tensor(torch.ones(1, 2, dtype=torch.long), heads, torch.float32)[:, 0, 1]
+        torch.testing.assert_close(alibi_slopes(heads), bloom, atol=0, rtol=1e-6)
+        mpt = build_mpt_alibi_tensor(heads, 2)[:, 0, 0]  # (key 0 of 2: -slope)
+        torch.testing.assert_close(alibi_slopes(heads), -mpt, atol=0, rtol=1e-6)
+    mpt_16 = -build_mpt_alibi_tensor(12, 2, alibi_bias_max=16)[:, 0, 0]
+    torch.testing.assert_close(alibi_slopes(12, 16.0), mpt_16, atol=0, rtol=1e-6)
+    with pytest.raises(ValueError, match="sliding window"):
+        PagedAttention(H, KVH, D, 1.0, sliding_window=6, alibi_slopes=torch.ones(H))
 
 
 def test_gemma_rmsnorm_and_geglu_match_transformers():

@@ -371,16 +371,18 @@ def test_an_adapter_on_glm4_gives_pefts_tokens(tmp_path):
     ("opt", ("q_proj", "v_proj", "out_proj", "fc1", "fc2"), {}),
     ("falcon", ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"),
      {"new_decoder_architecture": True, "num_kv_heads": 2}),
+    ("bloom", ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"), {}),
+    ("mpt", ("Wqkv", "out_proj", "up_proj", "down_proj"), {}),
 ], ids=["arcee", "starcoder2", "llama4", "phi", "gpt_neox", "gpt2", "gpt_bigcode_multi_head", "gptj", "opt",
-        "falcon_40b_style"])
+        "falcon_40b_style", "bloom", "mpt"])
 def test_adapters_on_ungated_mlps_and_renamed_projections_give_pefts_tokens(tmp_path, kind, targets, overrides):
     """Arcee's, StarCoder2's, Phi's, GPT-NeoX's, the GPT family's and OPT's ungated MLPs (their
     projections looked up where LoRA wraps them), projections of other names (Llama 4's feed_forward:
     our mlp, its dense layers' and its shared expert's; Phi's and GPT-NeoX's dense, GPT-2's attn.c_proj,
     GPT-J's and OPT's out_proj: our o_proj; OPT's fc1 and fc2 beside its attention), fused q/k/v of
-    their own layouts (GPT-NeoX's query_key_value and a multi-head GPTBigCode's c_attn, each head's q, k
-    and v together; Falcon-40B's, grouped by KV head; GPT-2's Conv1D c_attn: B's rows reordered as
-    our qkv_proj's), q and k rows
+    their own layouts (GPT-NeoX's and BLOOM's query_key_value and a multi-head GPTBigCode's c_attn,
+    each head's q, k and v together; Falcon-40B's, grouped by KV head; GPT-2's Conv1D c_attn, MPT's
+    Wqkv: B's rows reordered as our qkv_proj's), q and k rows
     reordered from RoPE's pairs (Llama 4, GPT-J): each adapter gives PEFT's tokens."""
     base = save_tiny_model(tmp_path / "base", kind, vocab_size=251, **overrides)
     save_adapter(base, tmp_path / "a", seed=9, targets=targets)

@@ -229,6 +229,17 @@ CASES = {
                                      "router_jitter_noise": 0.01}),
     # Apertus: per-head q/k norms, an ungated xIELU MLP with each layer's learned scalars, llama3 RoPE.
     "apertus": ("apertus", {}),
+    # ALiBi: BLOOM (a norm over the embeddings, per-head fused q/k/v; 6 heads, whose slopes are not a
+    # power of two's, untied), MPT (clamped q/k/v, its own softmax scale; unclamped, 5 heads: transformers'
+    # MPT takes alibi_bias_max 8 whatever its config says, as every released MPT has it, where MosaicML's
+    # code and vLLM read it: served so, test_bloom_and_mpt_configs_as_released), falcon-rw (Falcon's
+    # attention then MLP, biases scaled with the scores).
+    "bloom": ("bloom", {}),
+    "bloom_6_heads_untied": ("bloom", {"hidden_size": 96, "num_attention_heads": 6, "tie_word_embeddings": False}),
+    "mpt": ("mpt", {}),
+    "mpt_unclipped_5_heads": ("mpt", {"hidden_size": 80, "num_attention_heads": 5, "attn_config": {
+        "clip_qkv": None, "softmax_scale": None}}),
+    "falcon_rw": ("falcon_rw", {}),
     # OPT (learned positions from the table's third row, relu; without biases, untied).
     "opt": ("opt", {}),
     "opt_no_bias_untied": ("opt", {"enable_bias": False, "tie_word_embeddings": False}),
@@ -318,7 +329,7 @@ def test_config_rejects_unsupported():
     base = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 256}
     with pytest.raises(ValueError, match="architecture"):
-        ModelConfig.from_dict({**base, "architectures": ["BloomForCausalLM"]})
+        ModelConfig.from_dict({**base, "architectures": ["CodeGenForCausalLM"]})
     with pytest.raises(ValueError, match="rope_type"):
         ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(ValueError, match="hidden_act"):
@@ -455,6 +466,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "NemotronForCausalLM", "OlmoForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM",
                                    "Dots1ForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM", "GPTJForCausalLM",
                                    "OPTForCausalLM", "FalconForCausalLM", "ApertusForCausalLM", "PhimoeForCausalLM",
+                                   "BloomForCausalLM", "MptForCausalLM", "MPTForCausalLM",
                                    "BertModel",
                                    "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
@@ -1064,7 +1076,8 @@ def test_opt_configs_as_released():
 
 
 def test_falcon_configs_as_released():
-    """falcon-7b's and falcon-40b's configs read as transformers reads them; ALiBi refused."""
+    """falcon-7b's and falcon-40b's configs read as transformers reads them; falcon-rw-1b's ALiBi, its
+    slopes scaled as its scores are."""
     falcon7b = {"architectures": ["FalconForCausalLM"], "hidden_size": 4544, "num_hidden_layers": 32,
                 "num_attention_heads": 71, "vocab_size": 65024, "multi_query": True, "parallel_attn": True,
                 "bias": False, "alibi": False, "new_decoder_architecture": False, "layer_norm_epsilon": 1e-5}
@@ -1075,8 +1088,68 @@ def test_falcon_configs_as_released():
                  "num_kv_heads": 8, "new_decoder_architecture": True}
     assert ModelConfig.from_dict(falcon40b).num_key_value_heads == 8
     assert ModelConfig.from_dict({**falcon7b, "multi_query": False}).num_key_value_heads == 71
-    with pytest.raises(ValueError, match="alibi"):
-        ModelConfig.from_dict({**falcon7b, "alibi": True})
+    assert config.alibi_bias_max is None and config.rope_layers == ()
+    falcon_rw_1b = {**falcon7b, "hidden_size": 2048, "num_hidden_layers": 24, "num_attention_heads": 32,
+                    "vocab_size": 50304, "multi_query": False, "parallel_attn": False, "bias": True, "alibi": True}
+    config = ModelConfig.from_dict(falcon_rw_1b)
+    assert (config.alibi_bias_max, config.alibi_slope_scale) == (8.0, 64 ** -0.5)
+    assert config.rope_layers == (False,) * 24 and config.num_key_value_heads == 32 and config.qkv_bias
+
+
+def test_bloom_and_mpt_configs_as_released():
+    """bloom-560m's and mpt-7b's configs (MosaicML's own, for its code) read as transformers reads
+    them; what MPT's config may set that no release does, refused by name."""
+    bloom = {"architectures": ["BloomForCausalLM"], "n_embed": 1024, "n_layer": 24, "n_head": 16,
+             "vocab_size": 250880, "layer_norm_epsilon": 1e-5, "apply_residual_connection_post_layernorm": False,
+             "pretraining_tp": 1, "slow_but_exact": False}
+    config = ModelConfig.from_dict(bloom)
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads) == (1024, 24, 16)
+    assert (config.intermediate_size, config.hidden_act, config.max_context_len) == (4096, "gelu_pytorch_tanh", 2048)
+    assert config.embedding_norm and config.alibi_bias_max == 8.0 and config.alibi_slope_scale == 1.0
+    assert config.qkv_bias and config.o_proj_bias and config.mlp_bias and config.tie_word_embeddings
+    assert config.rope_layers == (False,) * 24
+    bloom_176b = {**bloom, "n_embed": None, "hidden_size": 14336, "n_layer": 70, "n_head": 112}
+    assert ModelConfig.from_dict(bloom_176b).head_dim == 128
+    assert ModelConfig.from_dict({**bloom, "n_head": None, "num_attention_heads": 16}).num_attention_heads == 16
+    with pytest.raises(ValueError, match="apply_residual_connection_post_layernorm"):
+        ModelConfig.from_dict({**bloom, "apply_residual_connection_post_layernorm": True})
+    mpt7b = {"architectures": ["MPTForCausalLM"], "d_model": 4096, "n_heads": 32, "n_layers": 32,
+             "expansion_ratio": 4, "max_seq_len": 2048, "vocab_size": 50432, "no_bias": True, "logit_scale": None,
+             "learned_pos_emb": True, "norm_type": "low_precision_layernorm",
+             "attn_config": {"alibi": True, "alibi_bias_max": 8, "attn_impl": "torch", "attn_pdrop": 0,
+                             "attn_type": "multihead_attention", "attn_uses_sequence_id": False, "clip_qkv": None,
+                             "prefix_lm": False, "qk_ln": False, "softmax_scale": None}}
+    config = ModelConfig.from_dict(mpt7b)
+    assert (config.hidden_size, config.num_attention_heads, config.num_hidden_layers) == (4096, 32, 32)
+    assert (config.intermediate_size, config.hidden_act, config.max_context_len) == (16384, "gelu", 2048)
+    assert config.alibi_bias_max == 8.0 and config.clip_qkv is None and config.attention_scale == 128 ** -0.5
+    assert not (config.qkv_bias or config.o_proj_bias or config.mlp_bias) and config.tie_word_embeddings
+    mpt30b = {**mpt7b, "d_model": 7168, "n_heads": 64, "n_layers": 48, "max_seq_len": 8192,
+              "attn_config": {**mpt7b["attn_config"], "clip_qkv": 8, "attn_impl": "triton"}}
+    assert ModelConfig.from_dict(mpt30b).clip_qkv == 8.0
+    bias_max_16 = {**mpt7b, "attn_config": {**mpt7b["attn_config"], "alibi_bias_max": 16}}
+    assert ModelConfig.from_dict(bias_max_16).alibi_bias_max == 16.0  # (MosaicML's code reads it)
+    for key, value in (("alibi", False), ("prefix_lm", True), ("qk_ln", True), ("attn_type", "multiquery_attention")):
+        with pytest.raises(ValueError, match=key):
+            ModelConfig.from_dict({**mpt7b, "attn_config": {**mpt7b["attn_config"], key: value}})
+    for key, value in (("no_bias", False), ("logit_scale", 0.5)):
+        with pytest.raises(ValueError, match=key):
+            ModelConfig.from_dict({**mpt7b, key: value})
+
+
+def test_bloom_560ms_released_names_load(tmp_path):
+    """bigscience/bloom-560m's checkpoint names its tensors without "transformer." (and has no head: tied)."""
+    path = save_tiny_model(tmp_path, "bloom")
+    hf = load_hf(path)
+    saved = load_file(path / "model.safetensors")
+    tensors = {name.removeprefix("transformer."): tensor for name, tensor in saved.items() if name != "lm_head.weight"}
+    assert "word_embeddings_layernorm.weight" in tensors and "h.0.self_attention.query_key_value.weight" in tensors
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    runner = make_runner(path, num_blocks=16, block_size=4)
+    prompt = [(5 * i + 1) % 256 for i in range(20)]
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(prefill_logits(runner, prompt, [3, 1, 4, 0, 2]), ref, atol=1e-4, rtol=1e-4)
 
 
 def test_apertus_config_defaults_and_its_fixed_xielu_scalars(tmp_path):

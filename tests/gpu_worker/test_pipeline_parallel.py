@@ -17,6 +17,7 @@ from gpu_worker import distributed
 from gpu_worker.config import ModelConfig
 from gpu_worker.models import build_model
 from gpu_worker.weights import iter_safetensors, load_weights
+from tests.gpu_worker.utils import save_tiny_model
 from tests.tiny_model import build_tiny_llama
 
 
@@ -93,6 +94,25 @@ def test_each_stage_builds_and_loads_only_its_layers(tmp_path, stage, tie):
     stage(0, 1)
     whole = {name for name, _ in build_model(config).named_parameters()}
     assert first | last == whole and (not (first & last) or tie)
+
+
+@pytest.mark.parametrize("kind, added", [("gpt2", "model.embed_positions.weight"),
+                                         ("bloom", "model.embed_norm.weight")])
+def test_what_is_added_to_the_embeddings_is_the_first_stages_alone(tmp_path, stage, kind, added):
+    """GPT-2's learned positions and BLOOM's LayerNorm over the embeddings belong to the first stage: the
+    last, which holds the tied embedding for its head, neither builds nor loads them."""
+    model_dir = save_tiny_model(tmp_path, kind, num_hidden_layers=3)
+    config = ModelConfig.from_pretrained(model_dir)
+    names = []
+    for pp_rank in range(2):
+        stage(pp_rank, 2)
+        model = build_model(config)
+        load_weights(model, iter_safetensors(model_dir))
+        names.append({name for name, _ in model.named_parameters()})
+    first, last = names
+    assert added in first and added not in last and "model.embed_tokens.weight" in last
+    stage(0, 1)
+    assert first | last == {name for name, _ in build_model(config).named_parameters()}
 
 
 # -- engines of several stages on Ray ------------------------------------------------------------

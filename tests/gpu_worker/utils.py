@@ -15,6 +15,7 @@ from transformers import (
     ArceeConfig,
     AutoModelForCausalLM,
     BambaConfig,
+    BloomConfig,
     Cohere2Config,
     CohereConfig,
     DeepseekV2Config,
@@ -53,6 +54,7 @@ from transformers import (
     Ministral3Config,
     MistralConfig,
     MixtralConfig,
+    MptConfig,
     NemotronConfig,
     NemotronHConfig,
     Olmo2Config,
@@ -327,6 +329,23 @@ def make_config(kind: str = "llama", **overrides):
                                                    "long_factor": factors, "short_mscale": 1.2, "long_mscale": 1.2,
                                                    "original_max_position_embeddings": 16, "rope_theta": 10000.0},
                                "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
+    # ALiBi in place of RoPE, 4 heads of 16 values. BLOOM: a LayerNorm over the embeddings, q/k/v fused
+    # per head, biases everywhere, a 4 x 64 tanh-gelu MLP. MPT: no biases (LayerNorms without them too),
+    # q/k/v fused in Wqkv, clamped to [-0.6, 0.6] (about their spread here), a softmax scale of its own,
+    # a 4 x 64 gelu MLP. falcon-rw: Falcon's attention-then-MLP layout (per-head q/k/v) with ALiBi.
+    if kind == "bloom":
+        return BloomConfig(**{"n_layer": kw["num_hidden_layers"], "n_head": kw["num_attention_heads"],
+                              "pad_token_id": 0, **{k: v for k, v in _gpt.items()
+                                                    if k not in ("num_hidden_layers", "num_attention_heads",
+                                                                 "max_position_embeddings")}})
+    if kind == "falcon_rw":
+        return make_config("falcon", **{"alibi": True, "multi_query": False, "parallel_attn": False, **overrides})
+    if kind == "mpt":
+        return MptConfig(**{"d_model": kw["hidden_size"], "n_heads": kw["num_attention_heads"],
+                            "n_layers": kw["num_hidden_layers"], "max_seq_len": kw["max_position_embeddings"],
+                            "vocab_size": kw["vocab_size"], "initializer_range": kw["initializer_range"],
+                            "attn_config": {"clip_qkv": 0.6, "softmax_scale": 0.3, **kw.get("attn_config", {})},
+                            "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2})
     # OPT: learned positions from the table's third row, LayerNorms, biases, an ungated relu MLP.
     if kind == "opt":
         return OPTConfig(**{"ffn_dim": kw["intermediate_size"], "init_std": kw["initializer_range"], "pad_token_id": 0,
