@@ -1,6 +1,7 @@
 """llama.cpp's GGUF files of the classic families whose checkpoints name their tensors otherwise than
 Llama's: Phi (phi2), GPT-NeoX (gptneox), GPT-2 (gpt2) and GPTBigCode (starcoder), read back into their
-Hugging Face configs and tensor names (gpu_worker.gguf_loader does the reading), and Falcon's (falcon).
+Hugging Face configs and tensor names (gpu_worker.gguf_loader does the reading), Falcon's (falcon), and
+the ALiBi families' BLOOM (bloom) and MPT (mpt).
 
 What llama.cpp's converter does to them, and is undone or read here:
   * no q/k rows are permuted (llama.cpp rotates these families' halves, as transformers does);
@@ -17,7 +18,14 @@ What llama.cpp's converter does to them, and is undone or read here:
   * Falcon's query_key_value, grouped by KV head in its checkpoints (each group's queries, then its
     key and value), is written as all q rows, then k's, then v's: regrouped; its layout is read from
     the file (a second norm, attn_norm_2, or more than one KV head: new_decoder_architecture; falcon-7b
-    otherwise), its context from the key the converter always writes as 2048.
+    otherwise), its context from the key the converter always writes as 2048;
+  * BLOOM's query_key_value (each head's q, k and v together) is written as GPT-NeoX's is: put back
+    per head; its head, tied in its checkpoints, is written as a copy of the embedding (output): read
+    as tied when the two hold the same bytes; its context is seq_length, or n_embed where its config
+    has none (read then as BLOOM's 2048);
+  * MPT's norms have no biases; its clip_qkv is attention.clamp_kqv, its alibi_bias_max
+    attention.max_alibi_bias (0: no ALiBi, refused), its layer norms' epsilon always 1e-5; its
+    softmax_scale is not written (None in every release).
 """
 
 from __future__ import annotations
@@ -36,6 +44,8 @@ CLASSIC_ARCHITECTURES = {
     "gpt2": ("GPT2LMHeadModel", "gpt2"),
     "starcoder": ("GPTBigCodeForCausalLM", "gpt_bigcode"),
     "falcon": ("FalconForCausalLM", "falcon"),
+    "bloom": ("BloomForCausalLM", "bloom"),
+    "mpt": ("MptForCausalLM", "mpt"),
 }
 
 
@@ -76,6 +86,19 @@ _NAMES = {
         layers="transformer.h",
         block={"attn_norm": "input_layernorm", "attn_qkv": "self_attention.query_key_value",
                "attn_output": "self_attention.dense", "ffn_up": "mlp.dense_h_to_4h", "ffn_down": "mlp.dense_4h_to_h"}),
+    "bloom": ClassicNames(
+        top_level={"token_embd": "transformer.word_embeddings",
+                   "token_embd_norm": "transformer.word_embeddings_layernorm", "output_norm": "transformer.ln_f",
+                   "output": "lm_head"},
+        layers="transformer.h",
+        block={"attn_norm": "input_layernorm", "attn_qkv": "self_attention.query_key_value",
+               "attn_output": "self_attention.dense", "ffn_norm": "post_attention_layernorm",
+               "ffn_up": "mlp.dense_h_to_4h", "ffn_down": "mlp.dense_4h_to_h"}),
+    "mpt": ClassicNames(
+        top_level={"token_embd": "transformer.wte", "output_norm": "transformer.norm_f", "output": "lm_head"},
+        layers="transformer.blocks",
+        block={"attn_norm": "norm_1", "attn_qkv": "attn.Wqkv", "attn_output": "attn.out_proj", "ffn_norm": "norm_2",
+               "ffn_up": "ffn.up_proj", "ffn_down": "ffn.down_proj"}),
 }
 # Keys of the converted config a family's transformers config cannot take (FalconConfig's head_dim is a
 # property of its own).
@@ -89,6 +112,14 @@ _CONV1D = ("attn_qkv", "attn_output", "ffn_up", "ffn_down")
 def _rotary_share(meta: dict[str, Any], arch: str, head_dim: int) -> float:
     rotary = meta.get(f"{arch}.rope.dimension_count")
     return int(rotary) / head_dim if rotary is not None else 1.0
+
+
+def _output_is_the_embedding(tensors: list[ReaderTensor]) -> bool:
+    """Whether the file's head (output) holds the embedding's very bytes (BLOOM's converter copies it)."""
+    by_name = {tensor.name: tensor for tensor in tensors}
+    output, embedding = by_name.get("output.weight"), by_name.get("token_embd.weight")
+    return (output is not None and embedding is not None and output.tensor_type == embedding.tensor_type
+            and np.array_equal(output.data, embedding.data))
 
 
 def classic_config(meta: dict[str, Any], arch: str, config: dict[str, Any], tensors: list[ReaderTensor],
@@ -115,6 +146,23 @@ def classic_config(meta: dict[str, Any], arch: str, config: dict[str, Any], tens
                 "parallel_attn": True, "num_kv_heads": kv_heads, "num_ln_in_parallel_attn": 2 if two_norms else 1,
                 "ffn_hidden_size": config["intermediate_size"], "activation": "gelu", "alibi": False,
                 "bias": any(name.endswith(".attn_qkv.bias") for name in tensor_names)}
+    if arch == "bloom":
+        context = int(config["max_position_embeddings"])
+        return {"n_layer": config["num_hidden_layers"], "n_head": config["num_attention_heads"],
+                "layer_norm_epsilon": eps, "seq_length": 2048 if context == int(config["hidden_size"]) else context,
+                "tie_word_embeddings": "output.weight" not in tensor_names or _output_is_the_embedding(tensors)}
+    if arch == "mpt":
+        if int(config["num_key_value_heads"]) != int(config["num_attention_heads"]):
+            raise ValueError("an MPT file of fewer KV heads than query heads is not served")
+        clamp = meta.get(f"{arch}.attention.clamp_kqv")
+        bias_max = read_float(meta.get(f"{arch}.attention.max_alibi_bias", 0.0))
+        return {"d_model": config["hidden_size"], "n_heads": config["num_attention_heads"],
+                "n_layers": config["num_hidden_layers"], "max_seq_len": config["max_position_embeddings"],
+                "expansion_ratio": int(config["intermediate_size"]) // int(config["hidden_size"]),
+                "layer_norm_epsilon": eps, "no_bias": not any(name.endswith(".bias") for name in tensor_names),
+                "attn_config": {"clip_qkv": None if clamp is None else read_float(clamp),
+                                "alibi": bias_max > 0,  # (an integer where it is one, as MptConfig takes it)
+                                "alibi_bias_max": int(bias_max) if bias_max.is_integer() else bias_max}}
     # GPT-2 and GPTBigCode, in GPT-2's key names; their positions those of the learned table (GPT-2's
     # converter states n_ctx as the context, which may differ).
     table = next(tensor for tensor in tensors if tensor.name == "position_embd.weight")
@@ -132,6 +180,8 @@ def classic_tensors(name: str, array: np.ndarray, config: dict[str, Any]) -> Ite
     model_type = config["model_type"]
     names = _NAMES[model_type]
     parts = name.split(".")
+    if name == "output.weight" and model_type == "bloom" and config.get("tie_word_embeddings"):
+        return  # (the embedding's copy)
     if parts[0] != "blk":
         if parts[0] not in names.top_level:
             raise ValueError(f"unexpected GGUF tensor {name!r}: no {model_type} equivalent")
@@ -152,7 +202,7 @@ def classic_tensors(name: str, array: np.ndarray, config: dict[str, Any]) -> Ite
         q, k, v = np.split(array, [heads * head_rows, (heads + kv_heads) * head_rows])
         groups = [rows.reshape(kv_heads, -1, *rows.shape[1:]) for rows in (q, k, v)]
         array = np.concatenate(groups, axis=1).reshape(array.shape)
-    if model_type == "gpt_neox" and part == "attn_qkv":  # (all q rows, k's, v's -> each head's q, k, v)
+    if model_type in ("gpt_neox", "bloom") and part == "attn_qkv":  # (all q rows, k's, v's -> each head's q, k, v)
         heads = int(config["num_attention_heads"])
         per_head = [rows.reshape(heads, -1, *rows.shape[1:]) for rows in np.split(array, 3)]
         array = np.stack(per_head, axis=1).reshape(array.shape)  # ([heads, 3, head_dim] rows)

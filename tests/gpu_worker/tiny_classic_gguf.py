@@ -1,6 +1,6 @@
 """Tiny GGUFs of the classic families whose checkpoints name their tensors otherwise than Llama's (Phi's
-phi2, GPT-NeoX's gptneox, GPT-2's gpt2, GPTBigCode's starcoder), written with the keys and tensors
-llama.cpp's converter writes, for loader tests."""
+phi2, GPT-NeoX's gptneox, GPT-2's gpt2, GPTBigCode's starcoder, Falcon's falcon, BLOOM's bloom, MPT's
+mpt), written with the keys and tensors llama.cpp's converter writes, for loader tests."""
 
 from __future__ import annotations
 
@@ -33,11 +33,18 @@ CLASSIC_KINDS = {
                                            "ln_mlp": "attn_norm_2", "self_attention.query_key_value": "attn_qkv",
                                            "self_attention.dense": "attn_output", "mlp.dense_h_to_4h": "ffn_up",
                                            "mlp.dense_4h_to_h": "ffn_down"}),
+    "bloom": ("bloom", "transformer.h", {"input_layernorm": "attn_norm", "self_attention.query_key_value": "attn_qkv",
+                                         "self_attention.dense": "attn_output", "post_attention_layernorm": "ffn_norm",
+                                         "mlp.dense_h_to_4h": "ffn_up", "mlp.dense_4h_to_h": "ffn_down"}),
+    "mpt": ("mpt", "transformer.blocks", {"norm_1": "attn_norm", "attn.Wqkv": "attn_qkv",
+                                          "attn.out_proj": "attn_output", "norm_2": "ffn_norm", "ffn.up_proj": "ffn_up",
+                                          "ffn.down_proj": "ffn_down"}),
 }
 _TOP_LEVEL = {"model.embed_tokens": "token_embd", "model.final_layernorm": "output_norm", "lm_head": "output",
               "gpt_neox.embed_in": "token_embd", "gpt_neox.final_layer_norm": "output_norm", "embed_out": "output",
               "transformer.wte": "token_embd", "transformer.wpe": "position_embd", "transformer.ln_f": "output_norm",
-              "transformer.word_embeddings": "token_embd"}
+              "transformer.word_embeddings": "token_embd", "transformer.word_embeddings_layernorm": "token_embd_norm",
+              "transformer.norm_f": "output_norm"}
 
 
 def tiny_classic(kind: str, seed: int = 0, **overrides) -> PreTrainedModel:
@@ -48,6 +55,8 @@ def tiny_classic(kind: str, seed: int = 0, **overrides) -> PreTrainedModel:
         overrides = {"intermediate_size": 256, "num_key_value_heads": 4, **overrides}
     if kind == "falcon":  # (its converter states 4 x hidden too)
         overrides = {"ffn_hidden_size": 256, **overrides}
+    if kind == "mpt":  # (its converter writes no softmax_scale: every released MPT has none)
+        overrides = {"attn_config": {"softmax_scale": None}, **overrides}
     config = make_config(kind, vocab_size=len(tiny_vocab()), max_position_embeddings=128, **overrides)
     return _perturbed(AutoModelForCausalLM.from_config(config, dtype=torch.float32), seed)
 
@@ -64,7 +73,8 @@ def _gguf_tensors(model: PreTrainedModel, kind: str, fused_qkv: bool) -> dict[st
             out[f"{_TOP_LEVEL[module]}.{kind_of}"] = data
             continue
         layer, part = module.removeprefix(f"{layers}.").split(".", 1)
-        if kind == "gpt_neox" and part == "attention.query_key_value":  # (per head -> q's, k's, v's)
+        if part in ("attention.query_key_value", "self_attention.query_key_value") and kind in ("gpt_neox", "bloom"):
+            # (per head -> q's, k's, v's)
             per_head = data.reshape(config.num_attention_heads, 3, -1, *data.shape[1:])
             data = np.concatenate([per_head[:, i].reshape(-1, *data.shape[1:]) for i in range(3)])
         if kind == "falcon" and part == "self_attention.query_key_value":  # (grouped by KV head -> q's, k's, v's)
@@ -76,6 +86,8 @@ def _gguf_tensors(model: PreTrainedModel, kind: str, fused_qkv: bool) -> dict[st
         if kind == "gpt2" and kind_of == "weight" and data.ndim == 2:  # (Conv1D's [in, out], transposed)
             data = data.T.copy()
         out[f"blk.{layer}.{parts[part]}.{kind_of}"] = data
+    if kind == "bloom" and "output.weight" not in out:  # (its converter copies the tied embedding as the head)
+        out["output.weight"] = out["token_embd.weight"].copy()
     if fused_qkv:  # (phi-2's first layout, Wqkv: q's, k's and v's rows in one attn_qkv)
         for name in [name for name in out if ".attn_q." in name]:
             parts_of = [out.pop(name.replace(".attn_q.", f".attn_{p}.")) for p in "qkv"]
@@ -94,8 +106,9 @@ def write_tiny_classic_gguf(path: Path, model: PreTrainedModel, kind: str,
     writer = GGUFWriter(str(path), arch)
     writer.add_name(f"tiny-{kind}")
     writer.add_block_count(config.num_hidden_layers)
-    # (Falcon's converter states 2048, whatever the model's.)
-    writer.add_context_length(2048 if kind == "falcon" else config.max_position_embeddings)
+    # (Falcon's converter states 2048, whatever the model's; BLOOM's its seq_length, else n_embed.)
+    context = {"falcon": 2048, "bloom": getattr(config, "seq_length", hidden), "mpt": getattr(config, "max_seq_len", 0)}
+    writer.add_context_length(context.get(kind) or config.max_position_embeddings)
     writer.add_embedding_length(hidden)
     writer.add_head_count(heads)
     if kind == "phi":
@@ -112,6 +125,17 @@ def write_tiny_classic_gguf(path: Path, model: PreTrainedModel, kind: str,
         writer.add_feed_forward_length(4 * hidden)
         writer.add_head_count_kv(config.num_key_value_heads)
         writer.add_layer_norm_eps(config.layer_norm_epsilon)
+    elif kind == "bloom":
+        writer.add_feed_forward_length(4 * hidden)
+        writer.add_head_count_kv(heads)
+        writer.add_layer_norm_eps(config.layer_norm_epsilon)
+    elif kind == "mpt":
+        writer.add_feed_forward_length(4 * hidden)
+        writer.add_layer_norm_eps(1e-5)
+        attn = config.attn_config
+        if attn.clip_qkv is not None:
+            writer.add_clamp_kqv(attn.clip_qkv)
+        writer.add_max_alibi_bias(attn.alibi_bias_max if attn.alibi else 0.0)
     else:
         writer.add_feed_forward_length(4 * hidden)
         writer.add_layer_norm_eps(config.layer_norm_epsilon)
