@@ -151,12 +151,18 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
                         rs = row_stride;
                     }
                     if (b + 1 < num_blocks) {
-                        /* blocks lie anywhere in the pool: ask for the next one while this one is scored */
-                        const char *nk = (const char *)k_cache + blocks[b + 1] * block_stride * elem_size;
-                        const char *nv = (const char *)v_cache + blocks[b + 1] * block_stride * elem_size;
-                        for (int64_t off = 0; off < block_stride * elem_size; off += 64) {
-                            __builtin_prefetch(nk + off);
-                            __builtin_prefetch(nv + off);
+                        /* blocks lie anywhere in the pool: ask for the next one's rows of this item's KV
+                         * heads (only those: an item of one head of many would otherwise ask for the
+                         * whole block, every other head's rows included) while this one is scored */
+                        const int64_t next = (blocks[b + 1] * block_stride + kv0 * head_dim) * elem_size;
+                        const int64_t width = kv_per_item * head_dim * elem_size;
+                        for (int64_t t = 0; t < block_size; ++t) {
+                            const char *nk = (const char *)k_cache + next + t * row_stride * elem_size;
+                            const char *nv = (const char *)v_cache + next + t * row_stride * elem_size;
+                            for (int64_t off = 0; off < width; off += 64) {
+                                __builtin_prefetch(nk + off);
+                                __builtin_prefetch(nv + off);
+                            }
                         }
                     }
                     /* scores[h][t] = scale * <q_h, k_t> for the item's query heads */
