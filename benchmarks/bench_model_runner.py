@@ -25,6 +25,7 @@ time, and "same tokens" is the share of greedy tokens on which both sides agree.
     .venv/bin/python benchmarks/bench_model_runner.py --jamba  # Jamba: Mamba-1 layers, every eighth attending
     .venv/bin/python benchmarks/bench_model_runner.py --zamba2  # Zamba2: Mamba-2 layers, shared attention blocks
     .venv/bin/python benchmarks/bench_model_runner.py --gpt2  # GPT-2 (124M's shapes): learned positions, LayerNorms
+    .venv/bin/python benchmarks/bench_model_runner.py --bloom  # BLOOM (bloom-560m's layers, a 50k vocab): ALiBi
 
 With --sliding-window, both sides run the same weights as a Mistral model whose every layer attends
 through that window (HF with its sliding-window cache; ours reading only the window's blocks, the
@@ -64,6 +65,10 @@ Zamba2 model of SmolLM2's shapes: Mamba-2 layers (18 heads of 64, states of 64),
 one of two shared attention-and-MLP blocks first (9 heads of 128 over twice the width, RoPE, adapters
 of rank 128 on q, k, v and the MLP). With --gpt2, as a GPT-2 of gpt2's (124M's) shapes: learned
 positions, LayerNorms, biases, an ungated gelu MLP, Conv1D weights (transposed as ours load them).
+With --bloom, as a BLOOM of bloom-560m's layers (24 of 1024 wide, 16 heads) over GPT-2's 50k vocabulary
+(bloom-560m's 250k would make the head the whole test): ALiBi in place of RoPE (our scores on the
+eager path, and in the C decode kernel on the CPU), a LayerNorm over the embeddings, per-head fused
+q/k/v.
 """
 
 from __future__ import annotations
@@ -82,6 +87,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    BloomConfig,
+    BloomForCausalLM,
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
     DynamicCache,
@@ -251,6 +258,8 @@ def main() -> None:
                     help="run the random model as Nemotron-H (Mamba-2 / MLP blocks, a few attention ones)")
     ap.add_argument("--gpt2", action="store_true",
                     help="run a random GPT-2 of gpt2's shapes (learned positions, LayerNorms, Conv1D weights)")
+    ap.add_argument("--bloom", action="store_true",
+                    help="run a random BLOOM of bloom-560m's layers over a 50k vocabulary (ALiBi)")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -372,6 +381,10 @@ def main() -> None:
         shapes = {"architectures": ["GPT2LMHeadModel"], "n_embd": 768, "n_layer": 12, "n_head": 12,
                   "n_positions": 1024, "vocab_size": 50257}
         hf, model_config, weights = random_source(GPT2LMHeadModel, GPT2Config, shapes, device, dtype)
+    elif args.model == "random" and args.bloom:
+        shapes = {"architectures": ["BloomForCausalLM"], "hidden_size": 1024, "n_layer": 24, "n_head": 16,
+                  "vocab_size": 50257}
+        hf, model_config, weights = random_source(BloomForCausalLM, BloomConfig, shapes, device, dtype)
     elif args.model == "random" and args.sliding_window:
         shapes = {**SMOLLM2_135M, "architectures": ["MistralForCausalLM"], "sliding_window": args.sliding_window}
         hf, model_config, weights = random_source(MistralForCausalLM, MistralConfig, shapes, device, dtype)
@@ -396,7 +409,7 @@ def main() -> None:
     kinds = {"gemma2": args.gemma2, "gpt-oss": args.gpt_oss, "glm4-moe": args.glm4_moe, "deepseek-v3": args.deepseek_v3,
              "minimax-m2": args.minimax_m2, "granite-hybrid": args.granite_hybrid, "nemotron-h": args.nemotron_h,
              "qwen3-next": args.qwen3_next, "lfm2": args.lfm2, "falcon-h1": args.falcon_h1,
-             "jamba": args.jamba, "zamba2": args.zamba2, "gpt2": args.gpt2}
+             "jamba": args.jamba, "zamba2": args.zamba2, "gpt2": args.gpt2, "bloom": args.bloom}
     kind = "".join(f" as {name}" for name, chosen in kinds.items() if chosen)
     print(f"model={args.model}{kind} sliding_window={args.sliding_window} "
           f"experts={model_config.num_experts}/{model_config.num_experts_per_tok} device={device} dtype={args.dtype} "
