@@ -79,7 +79,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "PhiForCausalLM", "GPTNeoXForCausalLM", "Dots1ForCausalLM", "GPT2LMHeadModel",
                            "GPTBigCodeForCausalLM", "GPTJForCausalLM", "OPTForCausalLM", "FalconForCausalLM",
                            "ApertusForCausalLM", "PhimoeForCausalLM", "BloomForCausalLM", "MptForCausalLM",
-                           "MPTForCausalLM")
+                           "MPTForCausalLM", "FlexOlmoForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -129,6 +129,9 @@ LLAMA_LIKE_DEFAULTS = {
     "StableLmForCausalLM": {"max_position_embeddings": 4096, "partial_rotary_factor": 0.25},
     "NemotronForCausalLM": {"max_position_embeddings": 4096, "hidden_act": "relu2", "partial_rotary_factor": 0.5},
     "OlmoForCausalLM": {"max_position_embeddings": 2048},
+    "FlexOlmoForCausalLM": {"vocab_size": 100352, "hidden_size": 4096, "intermediate_size": 11008,
+                            "num_hidden_layers": 32, "num_attention_heads": 32, "rms_norm_eps": 1e-6,
+                            "max_position_embeddings": 4096},
     "ApertusForCausalLM": {"rms_norm_eps": 1e-5, "max_position_embeddings": 65536, "hidden_act": "xielu"},
     "Dots1ForCausalLM": {"num_key_value_heads": 32},
     "PhimoeForCausalLM": {"vocab_size": 32064, "hidden_size": 4096, "intermediate_size": 6400, "num_hidden_layers": 32,
@@ -303,7 +306,8 @@ def _rope_from_dict(arch: str, cfg: dict[str, Any]) -> tuple[float, dict[str, An
     full-attention layers, where a config gives one per layer type (Gemma 3)."""
     default_theta = {"Gemma3ForCausalLM": 1_000_000.0, "SmolLM3ForCausalLM": 2_000_000.0,
                      "Olmo3ForCausalLM": 500_000.0, "CohereForCausalLM": 500_000.0, "HeliumForCausalLM": 100_000.0,
-                     "Ernie4_5ForCausalLM": 500_000.0, "Ernie4_5_MoeForCausalLM": 500_000.0}.get(arch, 10000.0)
+                     "Ernie4_5ForCausalLM": 500_000.0, "Ernie4_5_MoeForCausalLM": 500_000.0,
+                     "FlexOlmoForCausalLM": 500_000.0}.get(arch, 10000.0)
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params:
         params = params["full_attention"]
@@ -1643,10 +1647,11 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
                     moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=False,
                     moe_scoring="sparsemixer",
                     sparsemixer_jitter_eps=float(cfg.get("router_jitter_noise", 0.01) or 0.0))
-    if arch == "OlmoeForCausalLM":
+    if arch in ("OlmoeForCausalLM", "FlexOlmoForCausalLM"):
         # Every layer routed; the experts' width is intermediate_size; not renormalised by default.
-        return dict(num_experts=read("num_experts", 64, "num_local_experts"),
-                    num_experts_per_tok=read("num_experts_per_tok", 8),
+        flex = arch == "FlexOlmoForCausalLM"  # (transformers' FlexOlmoConfig: 7 experts, 5 a token)
+        return dict(num_experts=read("num_experts", 7 if flex else 64, "num_local_experts"),
+                    num_experts_per_tok=read("num_experts_per_tok", 5 if flex else 8),
                     moe_intermediate_size=int(cfg.get("intermediate_size", 2048)),
                     norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
     if arch == "MiniMaxM2ForCausalLM":

@@ -13,8 +13,10 @@ ModelConfig's local_rope_theta):
   often as it is held, which leaves the mean the same).
 
 OLMoE (OlmoeForCausalLM): Llama's layers (norms before each sublayer) with those q/k norms and routed
-experts. The first OLMo (OlmoForCausalLM: OLMo-1B-hf, OLMo-7B-hf, OLMo-7B-0424 / 0724-hf): Llama's
-layers with LayerNorms of no parameters. OLMo's and OLMoE's clip_qkv clamps q, k (after any norms)
+experts. FlexOlmo (FlexOlmoForCausalLM: FlexOlmo-7x7B-1T and its RT model): OLMo 2's layers (norms after
+each sublayer, OLMo 2's q/k norms) with OLMoE's routed experts in every layer. The first OLMo
+(OlmoForCausalLM: OLMo-1B-hf, OLMo-7B-hf, OLMo-7B-0424 / 0724-hf): Llama's layers with LayerNorms of no
+parameters. OLMo's and OLMoE's clip_qkv clamps q, k (after any norms)
 and v (ModelConfig.clip_qkv).
 """
 
@@ -107,6 +109,11 @@ class Olmo2Model(LlamaModel):
 
 class Olmo2ForCausalLM(LlamaForCausalLM):
     model_class = Olmo2Model
+
+
+class FlexOlmoForCausalLM(Olmo2ForCausalLM):
+    """FlexOlmo: OLMo 2's layers whose MLPs are routed experts (ModelConfig's, as OLMoE's: the softmax's
+    top k, not renormalised by default)."""
 
 
 class Olmo3ForCausalLM(Olmo2ForCausalLM):

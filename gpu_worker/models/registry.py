@@ -67,6 +67,7 @@ from gpu_worker.models.nemotron_h import (
 )
 from gpu_worker.models.olmo2 import (
     Exaone4ForCausalLM,
+    FlexOlmoForCausalLM,
     Olmo2ForCausalLM,
     Olmo3ForCausalLM,
     OlmoeForCausalLM,
@@ -145,6 +146,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "OPTForCausalLM": OPTForCausalLM,
     "FalconForCausalLM": FalconForCausalLM,
     "BloomForCausalLM": BloomForCausalLM,
+    "FlexOlmoForCausalLM": FlexOlmoForCausalLM,
     "MptForCausalLM": MptForCausalLM,
     "MPTForCausalLM": MPTForCausalLM,
     "ApertusForCausalLM": ApertusForCausalLM,

@@ -84,6 +84,10 @@ CASES = {
     # (and renormalised), MQA.
     "olmoe": ("olmoe", {}),
     "olmoe_renormalised_mqa": ("olmoe", {"norm_topk_prob": True, "num_key_value_heads": 1}),
+    # FlexOlmo: OLMo 2's post-norms and whole-projection q/k norms, OLMoE's experts.
+    "flex_olmo": ("flex_olmo", {}),
+    "flex_olmo_renormalised_mqa_tied": ("flex_olmo", {"norm_topk_prob": True, "num_key_value_heads": 1,
+                                                      "tie_word_embeddings": True}),
     # SmolLM3's NoPE layers (every second one here); with a window on them.
     "smollm3": ("smollm3", {"num_hidden_layers": 3}),
     "smollm3_nope_window": ("smollm3", {"use_sliding_window": True, "sliding_window": 8, "tie_word_embeddings": False}),
@@ -466,7 +470,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "NemotronForCausalLM", "OlmoForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM",
                                    "Dots1ForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM", "GPTJForCausalLM",
                                    "OPTForCausalLM", "FalconForCausalLM", "ApertusForCausalLM", "PhimoeForCausalLM",
-                                   "BloomForCausalLM", "MptForCausalLM", "MPTForCausalLM",
+                                   "BloomForCausalLM", "MptForCausalLM", "MPTForCausalLM", "FlexOlmoForCausalLM",
                                    "BertModel",
                                    "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
@@ -888,7 +892,7 @@ def test_multi_token_prediction_layers_are_not_read_by_the_model(tmp_path, kind)
     torch.testing.assert_close(prefill_logits(runner, prompt, [3, 1, 4, 0, 2]), ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["granitemoe", "minimax_m2", "mixtral", "olmoe"])
+@pytest.mark.parametrize("kind", ["granitemoe", "minimax_m2", "mixtral", "olmoe", "flex_olmo"])
 def test_moe_checkpoints_in_transformers_own_layout_load_too(tmp_path, kind):
     """Saved with transformers 5's own names (save_original_format=False: stacked experts, its router
     and bias names) rather than the released ones: the same logits."""
@@ -1135,6 +1139,21 @@ def test_bloom_and_mpt_configs_as_released():
     for key, value in (("no_bias", False), ("logit_scale", 0.5)):
         with pytest.raises(ValueError, match=key):
             ModelConfig.from_dict({**mpt7b, key: value})
+
+
+def test_flex_olmo_config_defaults_are_transformers():
+    """A FlexOlmo config leaving its keys out reads transformers' FlexOlmoConfig defaults: 7 experts, 5 a
+    token, not renormalised, RMSNorm epsilon 1e-6, RoPE base 500,000 over 4096 positions, untied."""
+    from transformers import FlexOlmoConfig
+
+    hf = FlexOlmoConfig()
+    config = ModelConfig.from_dict({"architectures": ["FlexOlmoForCausalLM"]})
+    assert (config.num_experts, config.num_experts_per_tok, config.norm_topk_prob) == (7, 5, False)
+    assert (config.hidden_size, config.num_hidden_layers, config.moe_intermediate_size) == (
+        hf.hidden_size, hf.num_hidden_layers, hf.intermediate_size)
+    assert config.rms_norm_eps == hf.rms_norm_eps == 1e-6 and config.rope_theta == hf.rope_parameters["rope_theta"]
+    assert config.max_context_len == hf.max_position_embeddings and not config.tie_word_embeddings
+    assert config.vocab_size == hf.vocab_size and all(config.layer_is_moe(i) for i in range(32))
 
 
 def test_bloom_560ms_released_names_load(tmp_path):

@@ -27,6 +27,7 @@ from transformers import (
     FalconConfig,
     FalconH1Config,
     FalconMambaConfig,
+    FlexOlmoConfig,
     Gemma2Config,
     Gemma3Config,
     Gemma3TextConfig,
@@ -149,6 +150,10 @@ def make_config(kind: str = "llama", **overrides):
     if kind == "olmoe":
         return OlmoeConfig(**{"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32, "pad_token_id": 0,
                               "bos_token_id": 1, "eos_token_id": 2, **kw})
+    # FlexOlmo: OLMo 2's layers (post-norms, whole-projection q/k norms), 8 experts, 2 per token.
+    if kind == "flex_olmo":
+        return FlexOlmoConfig(**{"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32,
+                                 "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
     # Granite: its four scalars away from 1 (Granite 3.x's own values are of these orders).
     if kind == "granite":
         return GraniteConfig(**{"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
