@@ -79,7 +79,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "PhiForCausalLM", "GPTNeoXForCausalLM", "Dots1ForCausalLM", "GPT2LMHeadModel",
                            "GPTBigCodeForCausalLM", "GPTJForCausalLM", "OPTForCausalLM", "FalconForCausalLM",
                            "ApertusForCausalLM", "PhimoeForCausalLM", "BloomForCausalLM", "MptForCausalLM",
-                           "MPTForCausalLM", "FlexOlmoForCausalLM")
+                           "MPTForCausalLM", "FlexOlmoForCausalLM", "MinistralForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -2266,6 +2266,7 @@ class ModelConfig:
                 qkv_bias, o_bias = bool(cfg.get("use_qkv_bias", False)), False
             # Mistral v0.1 (4096) and Phi-3 (2047 in the 4k models) window every layer.
             sliding = (cfg.get("sliding_window") if arch in ("MistralForCausalLM", "Ministral3ForCausalLM",
+                                                             "MinistralForCausalLM",
                                                              "MixtralForCausalLM", "Phi3ForCausalLM",
                                                              "PhimoeForCausalLM",
                                                              "Cohere2ForCausalLM", "Exaone4ForCausalLM",

@@ -489,6 +489,11 @@ class MistralForCausalLM(LlamaForCausalLM):
     """Mistral is the Llama block; v0.1 attends through a 4096-token sliding window in every layer."""
 
 
+class MinistralForCausalLM(MistralForCausalLM):
+    """Ministral (transformers' MinistralForCausalLM: Ministral-8B-Instruct-2410 as transformers names it)
+    is Mistral whose window covers the layers ``layer_types`` names (every layer where it names none)."""
+
+
 class Ministral3ForCausalLM(MistralForCausalLM):
     """Ministral 3 (the language model of Ministral 3 3B / 8B / 14B) is Mistral with YaRN and Llama 4's
     attention temperature: queries past the pretrained length are scaled up by position

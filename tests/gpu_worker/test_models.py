@@ -31,6 +31,7 @@ CASES = {
     # Sliding windows far shorter than the 45-token prompt: every layer (Mistral v0.1, Phi-3), or
     # only the layers from max_window_layers on (Qwen2), the others attending fully.
     "mistral_window": ("mistral", {"sliding_window": 8}),
+    "ministral_windowed_and_full_layers": ("ministral", {}),
     # Ministral 3: YaRN over a pretrained 16 positions, the 45-token prompt's queries past them scaled
     # by Llama 4's attention temperature; with a window too.
     "ministral3": ("ministral3", {}),
@@ -471,6 +472,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "Dots1ForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM", "GPTJForCausalLM",
                                    "OPTForCausalLM", "FalconForCausalLM", "ApertusForCausalLM", "PhimoeForCausalLM",
                                    "BloomForCausalLM", "MptForCausalLM", "MPTForCausalLM", "FlexOlmoForCausalLM",
+                                   "MinistralForCausalLM",
                                    "BertModel",
                                    "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}

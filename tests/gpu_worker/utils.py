@@ -53,6 +53,7 @@ from transformers import (
     MambaConfig,
     MiniMaxM2Config,
     Ministral3Config,
+    MinistralConfig,
     MistralConfig,
     MixtralConfig,
     MptConfig,
@@ -121,6 +122,11 @@ def make_config(kind: str = "llama", **overrides):
     if kind == "mistral":
         kw.setdefault("sliding_window", None)
         return MistralConfig(**kw)
+    # Ministral (transformers' own class): Mistral with a window of 8 on the layers layer_types names
+    # (the first of two here). (Its head_dim stated: transformers' Ministral takes a missing one as None.)
+    if kind == "ministral":
+        return MinistralConfig(**{"head_dim": 16, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+                                  "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
     if kind == "ministral3":
         return Ministral3Config(**{"rope_parameters": MINISTRAL3_ROPE, "head_dim": 16, "sliding_window": None,
                                    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
