@@ -79,7 +79,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "PhiForCausalLM", "GPTNeoXForCausalLM", "Dots1ForCausalLM", "GPT2LMHeadModel",
                            "GPTBigCodeForCausalLM", "GPTJForCausalLM", "OPTForCausalLM", "FalconForCausalLM",
                            "ApertusForCausalLM", "PhimoeForCausalLM", "BloomForCausalLM", "MptForCausalLM",
-                           "MPTForCausalLM", "FlexOlmoForCausalLM", "MinistralForCausalLM")
+                           "MPTForCausalLM", "FlexOlmoForCausalLM", "MinistralForCausalLM", "CwmForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -129,6 +129,10 @@ LLAMA_LIKE_DEFAULTS = {
     "StableLmForCausalLM": {"max_position_embeddings": 4096, "partial_rotary_factor": 0.25},
     "NemotronForCausalLM": {"max_position_embeddings": 4096, "hidden_act": "relu2", "partial_rotary_factor": 0.5},
     "OlmoForCausalLM": {"max_position_embeddings": 2048},
+    "CwmForCausalLM": {"vocab_size": 128256, "hidden_size": 6144, "intermediate_size": 21504,
+                       "num_hidden_layers": 64, "num_attention_heads": 48, "num_key_value_heads": 8, "head_dim": 128,
+                       "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "sliding_window": 8192,
+                       "eos_token_id": [128001, 128008, 128009]},
     "FlexOlmoForCausalLM": {"vocab_size": 100352, "hidden_size": 4096, "intermediate_size": 11008,
                             "num_hidden_layers": 32, "num_attention_heads": 32, "rms_norm_eps": 1e-6,
                             "max_position_embeddings": 4096},
@@ -149,6 +153,9 @@ LLAMA_LIKE_DEFAULTS = {
 # are _moe_from_dict's).
 MINIMAX_M2_DEFAULTS = {"head_dim": 128, "rms_norm_eps": 1e-6, "max_position_embeddings": 196608,
                        "intermediate_size": 1536, "rope_theta": 5000000.0, "num_key_value_heads": 8}
+# transformers' CwmConfig RoPE, for a config that states none.
+CWM_ROPE_DEFAULTS = {"rope_type": "llama3", "rope_theta": 1_000_000.0, "factor": 16.0, "high_freq_factor": 4.0,
+                     "low_freq_factor": 1.0, "original_max_position_embeddings": 8192}
 APERTUS_ROPE_DEFAULTS = {"rope_type": "llama3", "rope_theta": 12000000.0, "factor": 8.0,
                          "original_max_position_embeddings": 8192, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
 GPT_OSS_ROPE_DEFAULTS = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
@@ -307,7 +314,7 @@ def _rope_from_dict(arch: str, cfg: dict[str, Any]) -> tuple[float, dict[str, An
     default_theta = {"Gemma3ForCausalLM": 1_000_000.0, "SmolLM3ForCausalLM": 2_000_000.0,
                      "Olmo3ForCausalLM": 500_000.0, "CohereForCausalLM": 500_000.0, "HeliumForCausalLM": 100_000.0,
                      "Ernie4_5ForCausalLM": 500_000.0, "Ernie4_5_MoeForCausalLM": 500_000.0,
-                     "FlexOlmoForCausalLM": 500_000.0}.get(arch, 10000.0)
+                     "FlexOlmoForCausalLM": 500_000.0, "CwmForCausalLM": 1_000_000.0}.get(arch, 10000.0)
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params:
         params = params["full_attention"]
@@ -2149,6 +2156,12 @@ class ModelConfig:
             cfg = {**LLAMA_LIKE_DEFAULTS[arch], **{k: v for k, v in cfg.items() if v is not None}}
         if arch == "ApertusForCausalLM" and not cfg.get("rope_parameters") and not cfg.get("rope_scaling"):
             cfg = {**cfg, "rope_parameters": dict(APERTUS_ROPE_DEFAULTS)}  # (transformers' ApertusConfig's)
+        if arch == "CwmForCausalLM":  # (transformers' CwmConfig: llama3 RoPE, every fourth layer from 0 full)
+            if not cfg.get("rope_parameters") and not cfg.get("rope_scaling"):
+                cfg = {**cfg, "rope_parameters": dict(CWM_ROPE_DEFAULTS)}
+            if not isinstance(cfg.get("layer_types"), list):
+                cfg = {**cfg, "layer_types": ["sliding_attention" if i % 4 else "full_attention"
+                                              for i in range(int(cfg["num_hidden_layers"]))]}
         if arch in LAYER_NORM_ARCHITECTURES:  # (LayerNorms' epsilon)
             cfg["rms_norm_eps"] = float(cfg.get("norm_epsilon", cfg.get("layer_norm_eps", cfg.get("norm_eps"))) or 1e-5)
         if arch == "OlmoForCausalLM":  # (its parameter-free LayerNorms' epsilon, fixed)
@@ -2266,7 +2279,7 @@ class ModelConfig:
                 qkv_bias, o_bias = bool(cfg.get("use_qkv_bias", False)), False
             # Mistral v0.1 (4096) and Phi-3 (2047 in the 4k models) window every layer.
             sliding = (cfg.get("sliding_window") if arch in ("MistralForCausalLM", "Ministral3ForCausalLM",
-                                                             "MinistralForCausalLM",
+                                                             "MinistralForCausalLM", "CwmForCausalLM",
                                                              "MixtralForCausalLM", "Phi3ForCausalLM",
                                                              "PhimoeForCausalLM",
                                                              "Cohere2ForCausalLM", "Exaone4ForCausalLM",

@@ -532,6 +532,11 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                 yield name, tensor
 
 
+class CwmForCausalLM(LlamaForCausalLM):
+    """Meta's Code World Model (facebook/cwm): Llama 3's block with llama3 RoPE, three layers of four
+    attending through a window (layer_types: every fourth from the first attends fully)."""
+
+
 class SmolLM3ForCausalLM(LlamaForCausalLM):
     """SmolLM3 is the Llama block with every fourth layer (``no_rope_layers``) attending without RoPE."""
 

@@ -34,6 +34,7 @@ from gpu_worker.models.language_model_only import language_model_class
 from gpu_worker.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM
 from gpu_worker.models.llama import (
     BambaForCausalLM,
+    CwmForCausalLM,
     Dots1ForCausalLM,
     Glm4MoeForCausalLM,
     GraniteForCausalLM,
@@ -95,6 +96,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Ministral3ForCausalLM": Ministral3ForCausalLM,
     "MinistralForCausalLM": MinistralForCausalLM,
+    "CwmForCausalLM": CwmForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,

@@ -32,6 +32,7 @@ CASES = {
     # only the layers from max_window_layers on (Qwen2), the others attending fully.
     "mistral_window": ("mistral", {"sliding_window": 8}),
     "ministral_windowed_and_full_layers": ("ministral", {}),
+    "cwm": ("cwm", {}),
     # Ministral 3: YaRN over a pretrained 16 positions, the 45-token prompt's queries past them scaled
     # by Llama 4's attention temperature; with a window too.
     "ministral3": ("ministral3", {}),
@@ -472,7 +473,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "Dots1ForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM", "GPTJForCausalLM",
                                    "OPTForCausalLM", "FalconForCausalLM", "ApertusForCausalLM", "PhimoeForCausalLM",
                                    "BloomForCausalLM", "MptForCausalLM", "MPTForCausalLM", "FlexOlmoForCausalLM",
-                                   "MinistralForCausalLM",
+                                   "MinistralForCausalLM", "CwmForCausalLM",
                                    "BertModel",
                                    "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
@@ -1156,6 +1157,24 @@ def test_flex_olmo_config_defaults_are_transformers():
     assert config.rms_norm_eps == hf.rms_norm_eps == 1e-6 and config.rope_theta == hf.rope_parameters["rope_theta"]
     assert config.max_context_len == hf.max_position_embeddings and not config.tie_word_embeddings
     assert config.vocab_size == hf.vocab_size and all(config.layer_is_moe(i) for i in range(32))
+
+
+def test_cwm_config_defaults_are_transformers():
+    """A Code World Model config leaving its keys out reads transformers' CwmConfig defaults: llama3 RoPE
+    (base 1M, factor 16 from 8192), a window of 8192 on three layers of four (every fourth from the
+    first full), its shapes and EOS ids."""
+    from transformers import CwmConfig
+
+    hf = CwmConfig()
+    config = ModelConfig.from_dict({"architectures": ["CwmForCausalLM"]})
+    assert config.rope_theta == hf.rope_parameters["rope_theta"] == 1e6
+    assert {k: config.rope_scaling[k] for k in ("rope_type", "factor", "original_max_position_embeddings")} == {
+        "rope_type": "llama3", "factor": 16.0, "original_max_position_embeddings": 8192}
+    assert [config.layer_sliding_window(i) for i in range(8)] == [
+        None if kind == "full_attention" else 8192 for kind in hf.layer_types[:8]] == [None, 8192, 8192, 8192] * 2
+    assert (config.hidden_size, config.num_hidden_layers, config.head_dim, config.num_key_value_heads) == (
+        hf.hidden_size, hf.num_hidden_layers, hf.head_dim, hf.num_key_value_heads)
+    assert config.eos_token_ids == tuple(hf.eos_token_id) and config.max_context_len == 131072
 
 
 def test_bloom_560ms_released_names_load(tmp_path):

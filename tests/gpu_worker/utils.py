@@ -18,6 +18,7 @@ from transformers import (
     BloomConfig,
     Cohere2Config,
     CohereConfig,
+    CwmConfig,
     DeepseekV2Config,
     DeepseekV3Config,
     Dots1Config,
@@ -125,8 +126,14 @@ def make_config(kind: str = "llama", **overrides):
     # Ministral (transformers' own class): Mistral with a window of 8 on the layers layer_types names
     # (the first of two here). (Its head_dim stated: transformers' Ministral takes a missing one as None.)
     if kind == "ministral":
-        return MinistralConfig(**{"head_dim": 16, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
-                                  "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
+        return MinistralConfig(**{"head_dim": 16, "sliding_window": 8,
+                                  "layer_types": ["sliding_attention", "full_attention"], "pad_token_id": 0,
+                                  "bos_token_id": 1, "eos_token_id": 2, **kw})
+    # Code World Model: llama3 RoPE (its default: factor 16 from 8192 positions), a window of 8 on three
+    # layers of four (four layers: the first full).
+    if kind == "cwm":
+        return CwmConfig(**{"sliding_window": 8, "head_dim": 16, "pad_token_id": 0, "bos_token_id": 1,
+                            "eos_token_id": 2, **kw, "num_hidden_layers": max(4, kw["num_hidden_layers"])})
     if kind == "ministral3":
         return Ministral3Config(**{"rope_parameters": MINISTRAL3_ROPE, "head_dim": 16, "sliding_window": None,
                                    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
