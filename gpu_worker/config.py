@@ -1370,36 +1370,52 @@ def _bloom_config(cfg: dict[str, Any]) -> dict[str, Any]:
             "max_position_embeddings": int(cfg.get("seq_length") or 2048)}
 
 
-# transformers' MptConfig and MptAttentionConfig defaults for the keys a config may leave out.
+# transformers' MptConfig and MptAttentionConfig defaults for the keys a config may leave out; MosaicML's
+# own code (the MPTForCausalLM checkpoints') defaults to learned positions and biases instead.
 _MPT_DEFAULTS = {"d_model": 2048, "n_heads": 16, "n_layers": 24, "expansion_ratio": 4, "max_seq_len": 2048,
                  "vocab_size": 50368, "layer_norm_epsilon": 1e-5, "no_bias": True, "tie_word_embeddings": True}
 _MPT_ATTENTION_DEFAULTS = {"attn_type": "multihead_attention", "clip_qkv": None, "softmax_scale": None,
                            "prefix_lm": False, "qk_ln": False, "alibi": True, "alibi_bias_max": 8}
+_MOSAICML_DEFAULTS = {"no_bias": False}
+_MOSAICML_ATTENTION_DEFAULTS = {"alibi": False}
 
 
-def _mpt_config(cfg: dict[str, Any]) -> dict[str, Any]:
+def _mpt_config(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """An MPT config in the other families' key names, as transformers' MptConfig reads it (d_model,
     n_heads, n_layers, max_seq_len; attn_config's clip_qkv, softmax_scale and alibi_bias_max), an
-    ungated exact-gelu MLP expansion_ratio x d_model wide. What no released MPT sets and transformers
-    does not run is refused: biases (no_bias false), learned positions in place of ALiBi, a prefix LM,
-    q/k LayerNorms, multi-query or grouped attention, a logit scale."""
-    cfg = {**_MPT_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
-    attn = {**_MPT_ATTENTION_DEFAULTS, **{k: v for k, v in (cfg.get("attn_config") or {}).items() if v is not None}}
+    ungated exact-gelu MLP expansion_ratio x d_model wide; a config of MosaicML's own code
+    (MPTForCausalLM) takes that code's defaults where it leaves a key out. What no released MPT sets
+    and transformers does not run is refused: biases (no_bias false), learned positions in place of
+    ALiBi, a prefix LM, q/k LayerNorms, multi-query or grouped attention, a logit scale, RoPE, a
+    sliding window, another MLP (ffn_type) or norm (norm_type)."""
+    mosaicml = arch == "MPTForCausalLM"
+    given = {k: v for k, v in cfg.items() if v is not None}
+    cfg = {**_MPT_DEFAULTS, **(_MOSAICML_DEFAULTS if mosaicml else {}), **given}
+    attn = {**_MPT_ATTENTION_DEFAULTS, **(_MOSAICML_ATTENTION_DEFAULTS if mosaicml else {}),
+            **{k: v for k, v in (cfg.get("attn_config") or {}).items() if v is not None}}
     refused = {"no_bias": (cfg["no_bias"], True, "biases on its projections and norms"),
                "alibi": (attn["alibi"], True, "learned positions in place of ALiBi"),
                "prefix_lm": (attn["prefix_lm"], False, "a prefix LM"),
                "qk_ln": (attn["qk_ln"], False, "LayerNorms over queries and keys"),
                "attn_type": (attn["attn_type"], "multihead_attention", "multi-query or grouped attention"),
-               "logit_scale": (cfg.get("logit_scale"), None, "scaled logits")}
+               "rope": (bool(attn.get("rope")), False, "RoPE"),
+               "sliding_window_size": (attn.get("sliding_window_size", -1), -1, "a sliding window"),
+               "logit_scale": (cfg.get("logit_scale"), None, "scaled logits"),
+               "ffn_type": ((cfg.get("ffn_config") or {}).get("ffn_type", "mptmlp"), "mptmlp", "another MLP")}
     for key, (value, served, what) in refused.items():
         if value != served:
             raise ValueError(f"MPTForCausalLM with {key}={value!r} ({what}) is not served")
+    if cfg.get("norm_type", "low_precision_layernorm") not in ("low_precision_layernorm", "layernorm"):
+        raise ValueError(f"MPTForCausalLM with norm_type={cfg['norm_type']!r} (a norm other than LayerNorm) "
+                         f"is not served")
     hidden, heads = int(cfg["d_model"]), int(cfg["n_heads"])
     return {**cfg, "hidden_size": hidden, "num_attention_heads": heads, "num_key_value_heads": heads,
             "num_hidden_layers": int(cfg["n_layers"]), "intermediate_size": int(cfg["expansion_ratio"]) * hidden,
             "max_position_embeddings": int(cfg["max_seq_len"]), "hidden_act": "gelu", "attention_bias": False,
-            "mlp_bias": False, "rms_norm_eps": float(cfg["layer_norm_epsilon"]), "clip_qkv": attn["clip_qkv"],
-            "softmax_scale": attn["softmax_scale"], "alibi_bias_max": float(attn["alibi_bias_max"])}
+            "mlp_bias": False, "rms_norm_eps": float(cfg["layer_norm_epsilon"]),
+            # (a clip of 0 clamps nothing: MosaicML's code and transformers test it for truth)
+            "clip_qkv": attn["clip_qkv"] or None, "softmax_scale": attn["softmax_scale"],
+            "alibi_bias_max": float(attn["alibi_bias_max"])}
 
 
 def _alibi_fields(arch: str, cfg: dict[str, Any], head_dim: int, num_layers: int) -> dict[str, Any]:
@@ -2151,7 +2167,7 @@ class ModelConfig:
         if arch == "BloomForCausalLM":
             cfg = _bloom_config(cfg)
         if arch in MPT_ARCHITECTURES:
-            cfg = _mpt_config(cfg)
+            cfg = _mpt_config(arch, cfg)
         if arch in LLAMA_LIKE_DEFAULTS:
             cfg = {**LLAMA_LIKE_DEFAULTS[arch], **{k: v for k, v in cfg.items() if v is not None}}
         if arch == "ApertusForCausalLM" and not cfg.get("rope_parameters") and not cfg.get("rope_scaling"):

@@ -118,8 +118,13 @@ def _output_is_the_embedding(tensors: list[ReaderTensor]) -> bool:
     """Whether the file's head (output) holds the embedding's very bytes (BLOOM's converter copies it)."""
     by_name = {tensor.name: tensor for tensor in tensors}
     output, embedding = by_name.get("output.weight"), by_name.get("token_embd.weight")
-    return (output is not None and embedding is not None and output.tensor_type == embedding.tensor_type
-            and np.array_equal(output.data, embedding.data))
+    if output is None or embedding is None or output.tensor_type != embedding.tensor_type \
+            or output.data.shape != embedding.data.shape:
+        return False
+    # (A chunk of rows at a time: a head of its own differs within the first, a copy is read through once.)
+    rows = max(1, (1 << 24) // max(1, output.data[0].nbytes))
+    return all(np.array_equal(output.data[i: i + rows], embedding.data[i: i + rows])
+               for i in range(0, output.data.shape[0], rows))
 
 
 def classic_config(meta: dict[str, Any], arch: str, config: dict[str, Any], tensors: list[ReaderTensor],

@@ -157,9 +157,12 @@ static inline __attribute__((always_inline)) int paged_decode_attention(
                         const int64_t next = (blocks[b + 1] * block_stride + kv0 * head_dim) * elem_size;
                         const int64_t width = kv_per_item * head_dim * elem_size;
                         for (int64_t t = 0; t < block_size; ++t) {
-                            const char *nk = (const char *)k_cache + next + t * row_stride * elem_size;
-                            const char *nv = (const char *)v_cache + next + t * row_stride * elem_size;
-                            for (int64_t off = 0; off < width; off += 64) {
+                            const int64_t row = next + t * row_stride * elem_size;
+                            /* from the cache line the row starts in (rows need not start on one) */
+                            const int64_t skew = (int64_t)(((uintptr_t)k_cache + (uintptr_t)row) & 63u);
+                            const char *nk = (const char *)k_cache + row - skew;
+                            const char *nv = (const char *)v_cache + row - skew;
+                            for (int64_t off = 0; off < width + skew; off += 64) {
                                 __builtin_prefetch(nk + off);
                                 __builtin_prefetch(nv + off);
                             }

@@ -61,7 +61,8 @@ def alibi_bias(slopes: torch.Tensor, behind: torch.Tensor) -> torch.Tensor:
     return slopes * behind.to(torch.float32)
 
 
-# Eager prefill holds its scores in memory (fp32 for the softmax): 2^24 of them (64 MiB) at most at once.
+# Eager prefill holds its scores in memory (fp32 for the softmax): 2^24 of them (64 MiB) at most at once
+# (under ALiBi an fp32 bias tile and the biased scores beside them, as large each).
 _SCORES_PER_TILE = 1 << 24
 
 

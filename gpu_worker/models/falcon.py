@@ -11,8 +11,9 @@ biases under ``bias``, the head tied to the embedding. Three layouts:
 * neither: attention then MLP, each after its own norm, ``query_key_value`` interleaved per head (each
   head's q, k and v rows together) without multi_query.
 
-The fused ``query_key_value`` is split into q, k and v at load (a LoRA adapter's B alike). ALiBi
-models (falcon-rw-1b / 7b) are not served: ModelConfig refuses them.
+The fused ``query_key_value`` is split into q, k and v at load (a LoRA adapter's B alike). The ALiBi
+models (falcon-rw-1b / 7b: attention then MLP, no RoPE) attend with ALiBi's biases, their slopes scaled
+with the scores (ModelConfig.alibi_slope_scale) as Falcon adds them before the scale.
 """
 
 from __future__ import annotations

@@ -437,8 +437,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model.forward(input_ids, positions, meta, inputs_embeds, intermediate)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The rows the first layer takes for ``input_ids`` (what transformers' ``get_input_embeddings()``
-        gives): what a prompt given as embeddings replaces."""
+        """The embedding's rows for ``input_ids`` (what transformers' ``get_input_embeddings()`` gives):
+        what a prompt given as embeddings replaces (BLOOM's norm over them, and GPT-2's positions, are
+        still applied to the rows given, as transformers applies them to ``inputs_embeds``)."""
         return self.model.embed_tokens.forward(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -1139,9 +1139,23 @@ def test_bloom_and_mpt_configs_as_released():
     for key, value in (("alibi", False), ("prefix_lm", True), ("qk_ln", True), ("attn_type", "multiquery_attention")):
         with pytest.raises(ValueError, match=key):
             ModelConfig.from_dict({**mpt7b, "attn_config": {**mpt7b["attn_config"], key: value}})
-    for key, value in (("no_bias", False), ("logit_scale", 0.5)):
-        with pytest.raises(ValueError, match=key):
+    for key, value in (("no_bias", False), ("logit_scale", 0.5), ("ffn_config", {"ffn_type": "mptglu"}),
+                       ("norm_type", "rmsnorm")):
+        with pytest.raises(ValueError, match=key.replace("ffn_config", "ffn_type")):
             ModelConfig.from_dict({**mpt7b, key: value})
+    for key, value in (("rope", True), ("sliding_window_size", 1024)):
+        with pytest.raises(ValueError, match=key):
+            ModelConfig.from_dict({**mpt7b, "attn_config": {**mpt7b["attn_config"], key: value}})
+    assert ModelConfig.from_dict({**mpt7b, "attn_config": {**mpt7b["attn_config"], "clip_qkv": 0}}).clip_qkv is None
+    # A config leaving no_bias and alibi out: MosaicML's code (MPTForCausalLM) defaults to biases and
+    # learned positions (refused), transformers' (MptForCausalLM) to neither.
+    trimmed = {k: v for k, v in mpt7b.items() if k != "no_bias"}
+    trimmed["attn_config"] = {k: v for k, v in mpt7b["attn_config"].items() if k != "alibi"}
+    with pytest.raises(ValueError, match="no_bias"):
+        ModelConfig.from_dict(trimmed)
+    with pytest.raises(ValueError, match="alibi"):
+        ModelConfig.from_dict({**trimmed, "no_bias": True})
+    assert ModelConfig.from_dict({**trimmed, "architectures": ["MptForCausalLM"]}).alibi_bias_max == 8.0
 
 
 def test_flex_olmo_config_defaults_are_transformers():
