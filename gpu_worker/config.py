@@ -79,7 +79,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "PhiForCausalLM", "GPTNeoXForCausalLM", "Dots1ForCausalLM", "GPT2LMHeadModel",
                            "GPTBigCodeForCausalLM", "GPTJForCausalLM", "OPTForCausalLM", "FalconForCausalLM",
                            "ApertusForCausalLM", "PhimoeForCausalLM", "BloomForCausalLM", "MptForCausalLM",
-                           "MPTForCausalLM", "FlexOlmoForCausalLM", "MinistralForCausalLM", "CwmForCausalLM")
+                           "MPTForCausalLM", "FlexOlmoForCausalLM", "MinistralForCausalLM", "CwmForCausalLM",
+                           "PersimmonForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -129,6 +130,9 @@ LLAMA_LIKE_DEFAULTS = {
     "StableLmForCausalLM": {"max_position_embeddings": 4096, "partial_rotary_factor": 0.25},
     "NemotronForCausalLM": {"max_position_embeddings": 4096, "hidden_act": "relu2", "partial_rotary_factor": 0.5},
     "OlmoForCausalLM": {"max_position_embeddings": 2048},
+    "PersimmonForCausalLM": {"vocab_size": 262144, "hidden_size": 4096, "intermediate_size": 16384,
+                             "num_hidden_layers": 36, "num_attention_heads": 64, "max_position_embeddings": 16384,
+                             "hidden_act": "relu2", "partial_rotary_factor": 0.5, "qk_layernorm": True},
     "CwmForCausalLM": {"vocab_size": 128256, "hidden_size": 6144, "intermediate_size": 21504,
                        "num_hidden_layers": 64, "num_attention_heads": 48, "num_key_value_heads": 8, "head_dim": 128,
                        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "sliding_window": 8192,
@@ -164,7 +168,7 @@ GPT_OSS_ROPE_DEFAULTS = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
 PARTIAL_ROTARY_ARCHITECTURES = ("Phi3ForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Qwen3NextForCausalLM",
                                 "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "BambaForCausalLM", "Glm4ForCausalLM",
                                 "StableLmForCausalLM", "GlmForCausalLM", "NemotronForCausalLM", "PhiForCausalLM",
-                                "GPTNeoXForCausalLM", "GPTJForCausalLM")
+                                "GPTNeoXForCausalLM", "GPTJForCausalLM", "PersimmonForCausalLM")
 # The GPT family's configs (GPT-2's key names: n_embd, n_layer, ...): GPT-2, GPTBigCode, GPT-J.
 GPT_ARCHITECTURES = ("GPT2LMHeadModel", "GPTBigCodeForCausalLM", "GPTJForCausalLM")
 # Those of learned position embeddings instead of RoPE.
@@ -173,12 +177,12 @@ LEARNED_POSITION_ARCHITECTURES = ("GPT2LMHeadModel", "GPTBigCodeForCausalLM", "O
 MPT_ARCHITECTURES = ("MptForCausalLM", "MPTForCausalLM")
 # Families of LayerNorms (with their epsilon under layer_norm_eps, norm_epsilon or norm_eps).
 LAYER_NORM_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM", "Starcoder2ForCausalLM", "StableLmForCausalLM",
-                            "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM")
+                            "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM", "PersimmonForCausalLM")
 # Those whose MLP is ungated (one projection in, one out), and the activations served there (the
 # tanh forms of gelu under three names: gelu_new, gelu_fast, gelu_pytorch_tanh).
 UNGATED_MLP_ARCHITECTURES = ("Starcoder2ForCausalLM", "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM",
                              *GPT_ARCHITECTURES, "OPTForCausalLM", "FalconForCausalLM", "ApertusForCausalLM",
-                             "BloomForCausalLM", *MPT_ARCHITECTURES)
+                             "BloomForCausalLM", *MPT_ARCHITECTURES, "PersimmonForCausalLM")
 UNGATED_ACTIVATIONS = ("relu", "relu2", "gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh", "xielu")
 # transformers' Qwen3NextConfig defaults for the keys a Qwen3-Next config may leave out.
 QWEN3_NEXT_DEFAULTS = {"head_dim": 256, "partial_rotary_factor": 0.25, "linear_conv_kernel_dim": 4,
@@ -2182,9 +2186,13 @@ class ModelConfig:
             cfg["rms_norm_eps"] = float(cfg.get("norm_epsilon", cfg.get("layer_norm_eps", cfg.get("norm_eps"))) or 1e-5)
         if arch == "OlmoForCausalLM":  # (its parameter-free LayerNorms' epsilon, fixed)
             cfg["rms_norm_eps"] = 1e-5
-        # (Biases on every projection of Phi's and GPT-NeoX's MLPs, and of Phi's attention.)
-        if arch in ("PhiForCausalLM", "GPTNeoXForCausalLM"):
-            cfg = {**cfg, "mlp_bias": True, **({"attention_bias": True} if arch == "PhiForCausalLM" else {})}
+        # (Biases on every projection of Phi's, GPT-NeoX's and Persimmon's MLPs, and of Phi's and
+        # Persimmon's attention; Persimmon's attention is multi-head.)
+        if arch in ("PhiForCausalLM", "GPTNeoXForCausalLM", "PersimmonForCausalLM"):
+            cfg = {**cfg, "mlp_bias": True,
+                   **({"attention_bias": True} if arch in ("PhiForCausalLM", "PersimmonForCausalLM") else {})}
+        if arch == "PersimmonForCausalLM":
+            cfg = {**cfg, "num_key_value_heads": cfg["num_attention_heads"]}
         if arch == "MiniMaxM2ForCausalLM":
             cfg = {**MINIMAX_M2_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
         if arch == "GptOssForCausalLM":
@@ -2360,7 +2368,7 @@ class ModelConfig:
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Dots1ForCausalLM")
             or (arch == "Glm4MoeForCausalLM" and bool(cfg.get("use_qk_norm", False)))
             or arch in (*LFM2_ARCHITECTURES, "Exaone4ForCausalLM", "ApertusForCausalLM")
-            or (arch == "PhiForCausalLM" and bool(cfg.get("qk_layernorm"))),
+            or (arch in ("PhiForCausalLM", "PersimmonForCausalLM") and bool(cfg.get("qk_layernorm"))),
             eos_token_ids=eos,
             sliding_window=int(sliding) if sliding else None,
             dtype=parse_dtype(dtype_name) if isinstance(dtype_name, str) else None,

@@ -27,6 +27,12 @@ own norm (use_parallel_residual; in sequence otherwise), q/k/v fused per head in
 ``query_key_value`` (each head's q, k and v rows together: split at load), RoPE over a quarter of
 each head, biases everywhere, an ungated gelu MLP (dense_h_to_4h, dense_4h_to_h); its names
 (``gpt_neox.embed_in``, ``attention``, ``final_layer_norm``, ``embed_out``) read as ours.
+
+Persimmon (PersimmonForCausalLM: Adept's persimmon-8b-base / -chat): GPT-NeoX's per-head fused
+``query_key_value`` and MLP names in Llama's sequence (attention, then MLP), a LayerNorm over each
+query and key head (qk_layernorm, as Phi's), RoPE over half of each head, an ungated relu^2 MLP,
+biases everywhere, an untied head; its ``dense`` (o_proj), ``q_layernorm`` / ``k_layernorm`` and
+``final_layernorm`` read as ours.
 """
 
 from __future__ import annotations
@@ -191,4 +197,20 @@ class GPTNeoXForCausalLM(RenamedCheckpoint, LlamaForCausalLM):
                ("model.final_layer_norm.", "model.norm."), (".attention.dense.", ".self_attn.o_proj."),
                (".attention.", ".self_attn."))
     skipped = (".attention.bias", ".attention.masked_bias")
+    fused = ".self_attn.query_key_value."
+
+
+class PersimmonDecoderLayer(LlamaDecoderLayer):
+    norm_class = LayerNorm
+    mlp_class = GPTNeoXMLP
+
+
+class PersimmonModel(LlamaModel):
+    layer_class = PersimmonDecoderLayer
+
+
+class PersimmonForCausalLM(RenamedCheckpoint, LlamaForCausalLM):
+    model_class = PersimmonModel
+    renames = ((".self_attn.dense.", ".self_attn.o_proj."), ("model.final_layernorm.", "model.norm."),
+               (".self_attn.q_layernorm.", ".self_attn.q_norm."), (".self_attn.k_layernorm.", ".self_attn.k_norm."))
     fused = ".self_attn.query_key_value."

@@ -13,6 +13,7 @@ from gpu_worker.models.bloom import BloomForCausalLM
 from gpu_worker.models.classic import (
     GPTNeoXForCausalLM,
     NemotronForCausalLM,
+    PersimmonForCausalLM,
     PhiForCausalLM,
     StableLmForCausalLM,
     Starcoder2ForCausalLM,
@@ -97,6 +98,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Ministral3ForCausalLM": Ministral3ForCausalLM,
     "MinistralForCausalLM": MinistralForCausalLM,
     "CwmForCausalLM": CwmForCausalLM,
+    "PersimmonForCausalLM": PersimmonForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,

@@ -33,6 +33,9 @@ CASES = {
     "mistral_window": ("mistral", {"sliding_window": 8}),
     "ministral_windowed_and_full_layers": ("ministral", {}),
     "cwm": ("cwm", {}),
+    # Persimmon: per-head q/k LayerNorms (and without them, tied), RoPE over half of each head, relu^2.
+    "persimmon": ("persimmon", {}),
+    "persimmon_no_qk_layernorm_tied": ("persimmon", {"qk_layernorm": False, "tie_word_embeddings": True}),
     # Ministral 3: YaRN over a pretrained 16 positions, the 45-token prompt's queries past them scaled
     # by Llama 4's attention temperature; with a window too.
     "ministral3": ("ministral3", {}),
@@ -473,7 +476,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "Dots1ForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM", "GPTJForCausalLM",
                                    "OPTForCausalLM", "FalconForCausalLM", "ApertusForCausalLM", "PhimoeForCausalLM",
                                    "BloomForCausalLM", "MptForCausalLM", "MPTForCausalLM", "FlexOlmoForCausalLM",
-                                   "MinistralForCausalLM", "CwmForCausalLM",
+                                   "MinistralForCausalLM", "CwmForCausalLM", "PersimmonForCausalLM",
                                    "BertModel",
                                    "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
@@ -1189,6 +1192,21 @@ def test_cwm_config_defaults_are_transformers():
     assert (config.hidden_size, config.num_hidden_layers, config.head_dim, config.num_key_value_heads) == (
         hf.hidden_size, hf.num_hidden_layers, hf.head_dim, hf.num_key_value_heads)
     assert config.eos_token_ids == tuple(hf.eos_token_id) and config.max_context_len == 131072
+
+
+def test_persimmon_config_defaults_are_transformers():
+    """A Persimmon config leaving its keys out reads transformers' PersimmonConfig defaults: q/k
+    LayerNorms, half of each head rotating, relu^2, 16,384 positions, biases everywhere, untied."""
+    from transformers import PersimmonConfig
+
+    hf = PersimmonConfig()
+    config = ModelConfig.from_dict({"architectures": ["PersimmonForCausalLM"]})
+    assert config.qk_norm and config.rotary_dim == 32 and config.hidden_act == "relu2"
+    assert (config.vocab_size, config.hidden_size, config.intermediate_size, config.num_hidden_layers) == (
+        hf.vocab_size, hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers)
+    assert config.num_key_value_heads == config.num_attention_heads == hf.num_attention_heads
+    assert config.max_context_len == hf.max_position_embeddings and config.rms_norm_eps == hf.layer_norm_eps
+    assert config.qkv_bias and config.o_proj_bias and config.mlp_bias and not config.tie_word_embeddings
 
 
 def test_bloom_560ms_released_names_load(tmp_path):

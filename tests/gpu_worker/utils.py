@@ -65,6 +65,7 @@ from transformers import (
     OlmoConfig,
     OlmoeConfig,
     OPTConfig,
+    PersimmonConfig,
     Phi3Config,
     PhiConfig,
     PhimoeConfig,
@@ -317,6 +318,11 @@ def make_config(kind: str = "llama", **overrides):
     if kind == "phi":
         return PhiConfig(**{"partial_rotary_factor": 0.4, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
                             **kw})
+    # Persimmon: GPT-NeoX's fused q/k/v in Llama's sequence, per-head q/k LayerNorms, RoPE over half of
+    # each 16-dim head, relu^2, biases.
+    if kind == "persimmon":
+        kw.pop("num_key_value_heads")
+        return PersimmonConfig(**{"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
     if kind == "gpt_neox":
         kw.pop("num_key_value_heads")
         return GPTNeoXConfig(**{"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
