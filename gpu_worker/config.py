@@ -80,7 +80,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "GPTBigCodeForCausalLM", "GPTJForCausalLM", "OPTForCausalLM", "FalconForCausalLM",
                            "ApertusForCausalLM", "PhimoeForCausalLM", "BloomForCausalLM", "MptForCausalLM",
                            "MPTForCausalLM", "FlexOlmoForCausalLM", "MinistralForCausalLM", "CwmForCausalLM",
-                           "PersimmonForCausalLM")
+                           "PersimmonForCausalLM", "HunYuanDenseV1ForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -133,6 +133,9 @@ LLAMA_LIKE_DEFAULTS = {
     "PersimmonForCausalLM": {"vocab_size": 262144, "hidden_size": 4096, "intermediate_size": 16384,
                              "num_hidden_layers": 36, "num_attention_heads": 64, "max_position_embeddings": 16384,
                              "hidden_act": "relu2", "partial_rotary_factor": 0.5, "qk_layernorm": True},
+    "HunYuanDenseV1ForCausalLM": {"vocab_size": 290943, "hidden_size": 4096, "intermediate_size": 11008,
+                                  "num_hidden_layers": 32, "num_attention_heads": 32, "rms_norm_eps": 1e-5,
+                                  "max_position_embeddings": 2048},
     "CwmForCausalLM": {"vocab_size": 128256, "hidden_size": 6144, "intermediate_size": 21504,
                        "num_hidden_layers": 64, "num_attention_heads": 48, "num_key_value_heads": 8, "head_dim": 128,
                        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "sliding_window": 8192,
@@ -333,6 +336,10 @@ def _rope_from_dict(arch: str, cfg: dict[str, Any]) -> tuple[float, dict[str, An
     # Phi-3's early configs call LongRoPE "su" (or "yarn"), as transformers reads them.
     if rope_type == "su" or (rope_type == "yarn" and arch == "Phi3ForCausalLM"):
         rope_type = "longrope"
+    if arch == "HunYuanDenseV1ForCausalLM" and rope_type == "dynamic" and scaling.get("alpha"):
+        # HunYuan's NTK by a fixed alpha: a larger base, base * alpha ** (d / (d - 2)), whatever the length.
+        dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
+        theta, rope_type, scaling = theta * float(scaling["alpha"]) ** (dim / (dim - 2)), "default", {}
     scaling["rope_type"] = rope_type
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope_type must be one of {SUPPORTED_ROPE_TYPES}, got {rope_type!r}")
@@ -2193,6 +2200,9 @@ class ModelConfig:
                    **({"attention_bias": True} if arch in ("PhiForCausalLM", "PersimmonForCausalLM") else {})}
         if arch == "PersimmonForCausalLM":
             cfg = {**cfg, "num_key_value_heads": cfg["num_attention_heads"]}
+        if arch == "HunYuanDenseV1ForCausalLM" and cfg.get("use_cla"):
+            raise ValueError("HunYuanDenseV1ForCausalLM with use_cla (keys and values shared across layers) is not "
+                             "served")
         if arch == "MiniMaxM2ForCausalLM":
             cfg = {**MINIMAX_M2_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
         if arch == "GptOssForCausalLM":
@@ -2365,7 +2375,8 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_proj_bias=o_bias,
             mlp_bias=bool(cfg.get("mlp_bias", cfg.get("use_bias", False))),  # (ERNIE 4.5's use_bias covers its MLP too)
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Dots1ForCausalLM")
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Dots1ForCausalLM",
+                             "HunYuanDenseV1ForCausalLM")
             or (arch == "Glm4MoeForCausalLM" and bool(cfg.get("use_qk_norm", False)))
             or arch in (*LFM2_ARCHITECTURES, "Exaone4ForCausalLM", "ApertusForCausalLM")
             or (arch in ("PhiForCausalLM", "PersimmonForCausalLM") and bool(cfg.get("qk_layernorm"))),

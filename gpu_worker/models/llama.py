@@ -533,6 +533,41 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                 yield name, tensor
 
 
+class NormAfterRopeAttention(LlamaAttention):
+    """Llama's attention whose per-head q/k norms come after RoPE rather than before (HunYuan's)."""
+
+    def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj.forward(hidden)
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        RotaryEmbedding.rotate_(qk, rope[0], rope[1])
+        q = self.q_norm.forward(qk[:, : self.num_heads])
+        k = self.k_norm.forward(qk[:, self.num_heads:])
+        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        return self.o_proj.forward(self.attn.forward(q, k, v, meta))
+
+
+class HunYuanDenseV1DecoderLayer(LlamaDecoderLayer):
+    attention_class = NormAfterRopeAttention
+
+
+class HunYuanDenseV1Model(LlamaModel):
+    layer_class = HunYuanDenseV1DecoderLayer
+
+
+class HunYuanDenseV1ForCausalLM(LlamaForCausalLM):
+    """Tencent's Hunyuan dense models (Hunyuan-0.5B / 1.8B / 4B / 7B and their instruct releases): the
+    Llama block with per-head RMSNorms on the queries and keys after RoPE (``query_layernorm``,
+    ``key_layernorm``) and NTK RoPE by a fixed alpha (a larger base: ModelConfig)."""
+
+    model_class = HunYuanDenseV1Model
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
+        for name, tensor in weights:
+            yield (name.replace(".self_attn.query_layernorm.", ".self_attn.q_norm.")
+                   .replace(".self_attn.key_layernorm.", ".self_attn.k_norm.")), tensor
+
+
 class CwmForCausalLM(LlamaForCausalLM):
     """Meta's Code World Model (facebook/cwm): Llama 3's block with llama3 RoPE, three layers of four
     attending through a window (layer_types: every fourth from the first attends fully)."""

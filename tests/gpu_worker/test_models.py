@@ -35,6 +35,10 @@ CASES = {
     "cwm": ("cwm", {}),
     # Persimmon: per-head q/k LayerNorms (and without them, tied), RoPE over half of each head, relu^2.
     "persimmon": ("persimmon", {}),
+    # Hunyuan dense: q/k norms after RoPE, NTK RoPE by a fixed alpha; plain RoPE, one KV head.
+    "hunyuan_dense": ("hunyuan_dense", {}),
+    "hunyuan_dense_plain_rope_mqa": ("hunyuan_dense", {"num_key_value_heads": 1, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 10000.0}}),
     "persimmon_no_qk_layernorm_tied": ("persimmon", {"qk_layernorm": False, "tie_word_embeddings": True}),
     # Ministral 3: YaRN over a pretrained 16 positions, the 45-token prompt's queries past them scaled
     # by Llama 4's attention temperature; with a window too.
@@ -477,6 +481,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "OPTForCausalLM", "FalconForCausalLM", "ApertusForCausalLM", "PhimoeForCausalLM",
                                    "BloomForCausalLM", "MptForCausalLM", "MPTForCausalLM", "FlexOlmoForCausalLM",
                                    "MinistralForCausalLM", "CwmForCausalLM", "PersimmonForCausalLM",
+                                   "HunYuanDenseV1ForCausalLM",
                                    "BertModel",
                                    "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
@@ -1207,6 +1212,21 @@ def test_persimmon_config_defaults_are_transformers():
     assert config.num_key_value_heads == config.num_attention_heads == hf.num_attention_heads
     assert config.max_context_len == hf.max_position_embeddings and config.rms_norm_eps == hf.layer_norm_eps
     assert config.qkv_bias and config.o_proj_bias and config.mlp_bias and not config.tie_word_embeddings
+
+
+def test_hunyuan_dense_config_as_released():
+    """Hunyuan-7B-Instruct's config: NTK RoPE by alpha 1000 read as the larger base transformers
+    computes, per-head q/k norms; cross-layer attention (use_cla) refused."""
+    released = {"architectures": ["HunYuanDenseV1ForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+                "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                "vocab_size": 128167, "max_position_embeddings": 32768, "rope_theta": 10000.0, "use_qk_norm": True,
+                "use_cla": False, "rope_scaling": {"alpha": 1000.0, "beta_fast": 32, "beta_slow": 1, "factor": 1.0,
+                                                   "mscale": 1.0, "mscale_all_dim": 1.0, "type": "dynamic"}}
+    config = ModelConfig.from_dict(released)
+    assert config.rope_scaling is None and config.rope_theta == pytest.approx(10000.0 * 1000.0 ** (128 / 126))
+    assert config.qk_norm and config.head_dim == 128 and config.max_context_len == 32768
+    with pytest.raises(ValueError, match="use_cla"):
+        ModelConfig.from_dict({**released, "use_cla": True})
 
 
 def test_bloom_560ms_released_names_load(tmp_path):

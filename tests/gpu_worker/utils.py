@@ -46,6 +46,7 @@ from transformers import (
     GraniteMoeHybridConfig,
     GraniteMoeSharedConfig,
     HeliumConfig,
+    HunYuanDenseV1Config,
     JambaConfig,
     Lfm2Config,
     Lfm2MoeConfig,
@@ -135,6 +136,12 @@ def make_config(kind: str = "llama", **overrides):
     if kind == "cwm":
         return CwmConfig(**{"sliding_window": 8, "head_dim": 16, "pad_token_id": 0, "bos_token_id": 1,
                             "eos_token_id": 2, **kw, "num_hidden_layers": max(4, kw["num_hidden_layers"])})
+    # Hunyuan dense: per-head q/k RMSNorms after RoPE, NTK RoPE by a fixed alpha (a base of 10,000
+    # stretched by 1000 ** (16 / 14)).
+    if kind == "hunyuan_dense":
+        return HunYuanDenseV1Config(**{"head_dim": 16, "rope_parameters": {"rope_type": "dynamic", "alpha": 1000.0,
+                                                                           "factor": 1.0, "rope_theta": 10000.0},
+                                       "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
     if kind == "ministral3":
         return Ministral3Config(**{"rope_parameters": MINISTRAL3_ROPE, "head_dim": 16, "sliding_window": None,
                                    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
@@ -507,7 +514,8 @@ def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides)
             if name.endswith("bias"):
                 param.normal_(0.0, 0.5)
             # Qwen3's per-head norms start at 1, which would hide one applied to the wrong heads.
-            if name.endswith(("q_norm.weight", "k_norm.weight", "q_layernorm.weight", "k_layernorm.weight")) \
+            if name.endswith(("q_norm.weight", "k_norm.weight", "q_layernorm.weight", "k_layernorm.weight",
+                              "query_layernorm.weight", "key_layernorm.weight")) \
                     or "_layernorm.norms." in name:  # (StableLM's: one norm a head)
                 param.normal_(1.0, 0.5)
             # Apertus's xIELU scalars (softplus-ed): drawn apart, so each layer's own are read.
