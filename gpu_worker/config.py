@@ -80,7 +80,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "GPTBigCodeForCausalLM", "GPTJForCausalLM", "OPTForCausalLM", "FalconForCausalLM",
                            "ApertusForCausalLM", "PhimoeForCausalLM", "BloomForCausalLM", "MptForCausalLM",
                            "MPTForCausalLM", "FlexOlmoForCausalLM", "MinistralForCausalLM", "CwmForCausalLM",
-                           "PersimmonForCausalLM", "HunYuanDenseV1ForCausalLM")
+                           "PersimmonForCausalLM", "HunYuanDenseV1ForCausalLM", "DbrxForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -1429,6 +1429,37 @@ def _mpt_config(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
             "alibi_bias_max": float(attn["alibi_bias_max"])}
 
 
+# transformers' DbrxConfig, DbrxAttentionConfig and DbrxFFNConfig defaults for the keys a config may
+# leave out.
+_DBRX_DEFAULTS = {"d_model": 2048, "n_heads": 16, "n_layers": 24, "max_seq_len": 2048, "vocab_size": 32000,
+                  "tie_word_embeddings": False}
+_DBRX_ATTENTION_DEFAULTS = {"clip_qkv": None, "kv_n_heads": 1, "rope_theta": 10000.0}
+_DBRX_FFN_DEFAULTS = {"ffn_hidden_size": 3584, "moe_num_experts": 4, "moe_top_k": 1,
+                      "moe_normalize_expert_weights": 1.0}
+
+
+def _dbrx_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A DBRX config in the other families' key names, as transformers' DbrxConfig reads it (d_model,
+    n_heads, n_layers, max_seq_len; attn_config's kv_n_heads, clip_qkv and rope_theta; ffn_config's
+    experts, their width, top k and activation); its router weights normalised by their L1 norm (as
+    released) or not at all, another p-norm refused."""
+    cfg = {**_DBRX_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
+    attn = {**_DBRX_ATTENTION_DEFAULTS, **{k: v for k, v in (cfg.get("attn_config") or {}).items() if v is not None}}
+    ffn = {**_DBRX_FFN_DEFAULTS, **(cfg.get("ffn_config") or {})}
+    norm = ffn["moe_normalize_expert_weights"]
+    if norm not in (None, 1, 1.0):
+        raise ValueError(f"DbrxForCausalLM with moe_normalize_expert_weights={norm!r} (its routing weights over "
+                         f"their L{norm} norm) is not served: 1 (or none) is")
+    hidden = int(cfg["d_model"])
+    return {**cfg, "hidden_size": hidden, "num_attention_heads": int(cfg["n_heads"]),
+            "num_key_value_heads": int(attn["kv_n_heads"]), "num_hidden_layers": int(cfg["n_layers"]),
+            "max_position_embeddings": int(cfg["max_seq_len"]), "rope_theta": float(attn["rope_theta"]),
+            "clip_qkv": attn["clip_qkv"], "intermediate_size": int(ffn["ffn_hidden_size"]),
+            "num_local_experts": int(ffn["moe_num_experts"]), "num_experts_per_tok": int(ffn["moe_top_k"]),
+            "norm_topk_prob": norm is not None, "rms_norm_eps": 1e-5,
+            "hidden_act": (ffn.get("ffn_act_fn") or {}).get("name", "silu")}
+
+
 def _alibi_fields(arch: str, cfg: dict[str, Any], head_dim: int, num_layers: int) -> dict[str, Any]:
     """BLOOM's, MPT's and falcon-rw's ALiBi in place of RoPE: the slopes' alibi_bias_max (8 but where
     MPT's config says) and their scale (Falcon adds its biases before scaling the scores, so its slopes
@@ -1681,6 +1712,9 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
                     moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=False,
                     moe_scoring="sparsemixer",
                     sparsemixer_jitter_eps=float(cfg.get("router_jitter_noise", 0.01) or 0.0))
+    if arch == "DbrxForCausalLM":  # (_dbrx_config's: every layer routed, the experts ffn_hidden_size wide)
+        return dict(num_experts=int(cfg["num_local_experts"]), num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+                    moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=bool(cfg["norm_topk_prob"]))
     if arch in ("OlmoeForCausalLM", "FlexOlmoForCausalLM"):
         # Every layer routed; the experts' width is intermediate_size; not renormalised by default.
         flex = arch == "FlexOlmoForCausalLM"  # (transformers' FlexOlmoConfig: 7 experts, 5 a token)
@@ -2179,6 +2213,8 @@ class ModelConfig:
             cfg = _bloom_config(cfg)
         if arch in MPT_ARCHITECTURES:
             cfg = _mpt_config(arch, cfg)
+        if arch == "DbrxForCausalLM":
+            cfg = _dbrx_config(cfg)
         if arch in LLAMA_LIKE_DEFAULTS:
             cfg = {**LLAMA_LIKE_DEFAULTS[arch], **{k: v for k, v in cfg.items() if v is not None}}
         if arch == "ApertusForCausalLM" and not cfg.get("rope_parameters") and not cfg.get("rope_scaling"):
@@ -2416,7 +2452,8 @@ class ModelConfig:
             **_llama4_fields(arch, cfg),
             **_learned_positions_fields(arch, cfg, num_layers),
             **_alibi_fields(arch, cfg, head_dim, num_layers),
-            clip_qkv=(float(cfg["clip_qkv"]) if arch in ("OlmoForCausalLM", "OlmoeForCausalLM", *MPT_ARCHITECTURES)
+            clip_qkv=(float(cfg["clip_qkv"]) if arch in ("OlmoForCausalLM", "OlmoeForCausalLM", "DbrxForCausalLM",
+                                                          *MPT_ARCHITECTURES)
                       and cfg.get("clip_qkv") is not None else None),
             **mla,
             # (An encoder's every token has seen the whole prompt: its mean, unless its files say.)

@@ -19,6 +19,7 @@ from gpu_worker.models.classic import (
     Starcoder2ForCausalLM,
 )
 from gpu_worker.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
+from gpu_worker.models.dbrx import DbrxForCausalLM
 from gpu_worker.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from gpu_worker.models.eagle import EAGLE_HEADS
 from gpu_worker.models.falcon import FalconForCausalLM
@@ -101,6 +102,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "CwmForCausalLM": CwmForCausalLM,
     "PersimmonForCausalLM": PersimmonForCausalLM,
     "HunYuanDenseV1ForCausalLM": HunYuanDenseV1ForCausalLM,
+    "DbrxForCausalLM": DbrxForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,

@@ -22,7 +22,7 @@ KINDS = ["llama", "qwen2", "qwen3", "phi3", "mistral", "mixtral", "qwen2_moe", "
          "helium", "ernie4_5", "ernie4_5_moe", "arcee", "exaone4", "starcoder2", "stablelm", "nemotron", "olmo",
          "phi", "gpt_neox", "glm", "dots1", "gpt2", "gpt_bigcode", "gptj", "opt", "falcon", "apertus", "phimoe",
          "llama4", "bloom", "mpt", "falcon_rw", "flex_olmo", "ministral", "cwm",
-         "persimmon", "hunyuan_dense"]
+         "persimmon", "hunyuan_dense", "dbrx"]
 # (Mistral's window of 8 keys is crossed by most prompts; Gemma 3 alternates windowed and full layers.)
 OVERRIDES = {"mistral": {"sliding_window": 8}, "cohere": {"use_qk_norm": True},
              "stablelm": {"use_parallel_residual": True, "qk_layernorm": True}}
@@ -103,7 +103,7 @@ def test_bf16_logprobs_are_transformers_fp32_ones_within_bf16_precision(tmp_path
                      max_model_len=128)
     hf = load_hf(path)
     moe = "moe" in kind or kind in ("mixtral", "gpt_oss", "deepseek_v3", "deepseek_v2", "minimax_m2", "qwen3_next",
-                                    "jamba", "llama4", "dots1", "phimoe")
+                                    "jamba", "llama4", "dots1", "phimoe", "dbrx")
     hf_bf16 = load_hf(path).to(torch.bfloat16) if moe else None
     errors, hf_bf16_errors = [], []
     for prompt, out in zip(PROMPTS, outputs, strict=True):

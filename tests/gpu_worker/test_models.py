@@ -37,6 +37,10 @@ CASES = {
     "persimmon": ("persimmon", {}),
     # Hunyuan dense: q/k norms after RoPE, NTK RoPE by a fixed alpha; plain RoPE, one KV head.
     "hunyuan_dense": ("hunyuan_dense", {}),
+    # DBRX: clamped fused q/k/v, bias-free LayerNorms, 8 experts (2 a token) renormalised; not, MQA.
+    "dbrx": ("dbrx", {}),
+    "dbrx_unnormalised_mqa": ("dbrx", {"ffn_config": {"moe_normalize_expert_weights": None},
+                                       "num_key_value_heads": 1}),
     "hunyuan_dense_plain_rope_mqa": ("hunyuan_dense", {"num_key_value_heads": 1, "rope_parameters": {
         "rope_type": "default", "rope_theta": 10000.0}}),
     "persimmon_no_qk_layernorm_tied": ("persimmon", {"qk_layernorm": False, "tie_word_embeddings": True}),
@@ -481,7 +485,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "OPTForCausalLM", "FalconForCausalLM", "ApertusForCausalLM", "PhimoeForCausalLM",
                                    "BloomForCausalLM", "MptForCausalLM", "MPTForCausalLM", "FlexOlmoForCausalLM",
                                    "MinistralForCausalLM", "CwmForCausalLM", "PersimmonForCausalLM",
-                                   "HunYuanDenseV1ForCausalLM",
+                                   "HunYuanDenseV1ForCausalLM", "DbrxForCausalLM",
                                    "BertModel",
                                    "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
@@ -1227,6 +1231,27 @@ def test_hunyuan_dense_config_as_released():
     assert config.qk_norm and config.head_dim == 128 and config.max_context_len == 32768
     with pytest.raises(ValueError, match="use_cla"):
         ModelConfig.from_dict({**released, "use_cla": True})
+
+
+def test_dbrx_config_as_released():
+    """dbrx-instruct's config: 16 experts of 10,752, 4 a token, renormalised; 8 KV heads, q/k/v clamped
+    to 8, RoPE base 500,000; another norm of the routing weights refused."""
+    released = {"architectures": ["DbrxForCausalLM"], "d_model": 6144, "n_heads": 48, "n_layers": 40,
+                "max_seq_len": 32768, "vocab_size": 100352,
+                "attn_config": {"clip_qkv": 8, "kv_n_heads": 8, "rope_theta": 500000, "attn_pdrop": 0},
+                "ffn_config": {"ffn_hidden_size": 10752, "moe_num_experts": 16, "moe_top_k": 4,
+                               "moe_normalize_expert_weights": 1, "ffn_act_fn": {"name": "silu"},
+                               "moe_jitter_eps": 0.01, "moe_loss_weight": 0.05}}
+    config = ModelConfig.from_dict(released)
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (16, 4, 10752)
+    assert config.norm_topk_prob and config.clip_qkv == 8.0 and config.rope_theta == 500000.0
+    assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (
+        6144, 48, 8, 128)
+    assert config.max_context_len == 32768 and not config.tie_word_embeddings
+    assert all(config.layer_is_moe(i) for i in range(40)) and not (config.qkv_bias or config.mlp_bias)
+    with pytest.raises(ValueError, match="moe_normalize_expert_weights"):
+        ModelConfig.from_dict({**released, "ffn_config": {**released["ffn_config"],
+                                                          "moe_normalize_expert_weights": 2}})
 
 
 def test_bloom_560ms_released_names_load(tmp_path):

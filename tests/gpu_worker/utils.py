@@ -19,6 +19,7 @@ from transformers import (
     Cohere2Config,
     CohereConfig,
     CwmConfig,
+    DbrxConfig,
     DeepseekV2Config,
     DeepseekV3Config,
     Dots1Config,
@@ -142,6 +143,17 @@ def make_config(kind: str = "llama", **overrides):
         return HunYuanDenseV1Config(**{"head_dim": 16, "rope_parameters": {"rope_type": "dynamic", "alpha": 1000.0,
                                                                            "factor": 1.0, "rope_theta": 10000.0},
                                        "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
+    # DBRX: bias-free LayerNorms, q/k/v fused in Wqkv (2 KV heads) and clamped to [-0.6, 0.6] (about their
+    # spread here), RoPE base 500,000, 8 experts of 32, 2 a token, renormalised.
+    if kind == "dbrx":
+        return DbrxConfig(**{"d_model": kw["hidden_size"], "n_heads": kw["num_attention_heads"],
+                             "n_layers": kw["num_hidden_layers"], "max_seq_len": kw["max_position_embeddings"],
+                             "vocab_size": kw["vocab_size"], "initializer_range": kw["initializer_range"],
+                             "attn_config": {"kv_n_heads": kw["num_key_value_heads"], "clip_qkv": 0.6,
+                                             "rope_theta": 500000.0},
+                             "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 8, "moe_top_k": 2,
+                                            **kw.get("ffn_config", {})},
+                             "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2})  # (DBRX is never tied)
     if kind == "ministral3":
         return Ministral3Config(**{"rope_parameters": MINISTRAL3_ROPE, "head_dim": 16, "sliding_window": None,
                                    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
