@@ -80,7 +80,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "GPTBigCodeForCausalLM", "GPTJForCausalLM", "OPTForCausalLM", "FalconForCausalLM",
                            "ApertusForCausalLM", "PhimoeForCausalLM", "BloomForCausalLM", "MptForCausalLM",
                            "MPTForCausalLM", "FlexOlmoForCausalLM", "MinistralForCausalLM", "CwmForCausalLM",
-                           "PersimmonForCausalLM", "HunYuanDenseV1ForCausalLM", "DbrxForCausalLM")
+                           "PersimmonForCausalLM", "HunYuanDenseV1ForCausalLM", "DbrxForCausalLM",
+                           "VaultGemmaForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -191,7 +192,9 @@ UNGATED_ACTIVATIONS = ("relu", "relu2", "gelu", "gelu_new", "gelu_fast", "gelu_p
 QWEN3_NEXT_DEFAULTS = {"head_dim": 256, "partial_rotary_factor": 0.25, "linear_conv_kernel_dim": 4,
                        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
                        "linear_num_value_heads": 32}
-GEMMA_ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+GEMMA_ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "VaultGemmaForCausalLM")
+# Gemma 2's configs: Gemma 2's and VaultGemma's (Gemma 2 without the norms after each sublayer).
+GEMMA2_ARCHITECTURES = ("Gemma2ForCausalLM", "VaultGemmaForCausalLM")
 OLMO_ARCHITECTURES = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoeForCausalLM")
 # Vision-language checkpoints whose language model we serve on text (ModelConfig reads their
 # text_config; the decoder's loader skips the vision tower).
@@ -296,7 +299,7 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 # vLLM's _FLOAT16_NOT_SUPPORTED_MODELS (gemma2, gemma3, gemma3_text): their activations overflow
 # float16's range, so "auto" never picks it for them and --dtype float16 is refused.
-FLOAT16_UNSUPPORTED_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+FLOAT16_UNSUPPORTED_ARCHITECTURES = (*GEMMA2_ARCHITECTURES, "Gemma3ForCausalLM")
 
 
 def check_dtype_supported(dtype: torch.dtype, config: ModelConfig) -> None:
@@ -766,7 +769,7 @@ def _processor_kwargs(kwargs: dict[str, Any], vision: Any, architecture: str) ->
 
 def _activation(arch: str, cfg: dict[str, Any]) -> str:
     """The MLP's activation, read where transformers reads it for the architecture."""
-    if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+    if arch in (*GEMMA2_ARCHITECTURES, "Gemma3ForCausalLM"):
         act = cfg.get("hidden_activation") or "gelu_pytorch_tanh"
     elif arch == "GemmaForCausalLM":
         # Gemma's first configs say "gelu", which always meant the tanh approximation (transformers
@@ -811,13 +814,13 @@ def _llama_4_scaling(arch: str, cfg: dict[str, Any]) -> tuple[float, int] | None
 def _gemma_from_dict(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """ModelConfig's Gemma 2/3 fields (attention scale, soft caps, Gemma 3's local RoPE), with
     transformers' defaults for the keys a config leaves out."""
-    if arch not in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+    if arch not in (*GEMMA2_ARCHITECTURES, "Gemma3ForCausalLM"):
         return {}
     if cfg.get("use_bidirectional_attention") and (arch != "Gemma3ForCausalLM" or cfg.get("attn_logit_softcapping")):
-        why = "Gemma 2" if arch == "Gemma2ForCausalLM" else "attention soft caps"
+        why = "Gemma 2" if arch in GEMMA2_ARCHITECTURES else "attention soft caps"
         raise ValueError(f"use_bidirectional_attention is served on Gemma 3 without attention soft caps "
                          f"(EmbeddingGemma), not with {why}")
-    gemma2 = arch == "Gemma2ForCausalLM"
+    gemma2 = arch in GEMMA2_ARCHITECTURES
 
     def optional(key: str, default: float | None) -> float | None:
         value = cfg.get(key, default)
@@ -835,7 +838,7 @@ def _gemma_from_dict(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
 def _gemma_window_layers(arch: str, cfg: dict[str, Any], num_layers: int) -> tuple[bool, ...]:
     """transformers' default layer types for Gemma 2 (every other layer windowed, from the first)
     and Gemma 3 (all but every ``sliding_window_pattern``-th layer)."""
-    if arch == "Gemma2ForCausalLM":
+    if arch in GEMMA2_ARCHITECTURES:
         return tuple(i % 2 == 0 for i in range(num_layers))
     pattern = int(cfg.get("sliding_window_pattern") or 6)
     return tuple((i + 1) % pattern != 0 for i in range(num_layers))
@@ -2335,7 +2338,7 @@ class ModelConfig:
         elif arch in ("Glm4MoeForCausalLM", *GLM_DENSE_ARCHITECTURES, "HeliumForCausalLM"):
             # (attention_bias: q, k and v's; o_proj has none)
             qkv_bias, o_bias, sliding = bool(cfg.get("attention_bias", False)), False, None
-        elif arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        elif arch in (*GEMMA2_ARCHITECTURES, "Gemma3ForCausalLM"):
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
             sliding = cfg.get("sliding_window", 4096)
             if bidirectional and sliding:
@@ -2367,7 +2370,7 @@ class ModelConfig:
             rotates = _smollm3_fields(arch, cfg, num_layers)["rope_layers"]
             cfg = {**cfg, "layer_types": ["full_attention" if r else "sliding_attention" for r in rotates]}
         window_layers: tuple[bool, ...] = ()
-        gemma_kinds = arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+        gemma_kinds = arch in (*GEMMA2_ARCHITECTURES, "Gemma3ForCausalLM")
         if (sliding or gemma_kinds) and isinstance(cfg.get("layer_types"), list) and arch != "Qwen3MoeForCausalLM":
             # (Qwen3-MoE windows every layer when it windows at all, whatever a config lists. Gemma's
             # layer kinds are kept without a window too: Gemma 3's also choose each layer's RoPE.)

@@ -37,7 +37,8 @@ class GemmaDecoderLayer(LlamaDecoderLayer):
 
     def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__(config, layer)
-        sandwich = config.architecture != "GemmaForCausalLM"
+        # (VaultGemma: Gemma 2 without the norms after each sublayer, its MLP's norm pre_feedforward_layernorm.)
+        sandwich = config.architecture not in ("GemmaForCausalLM", "VaultGemmaForCausalLM")
         self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps) if sandwich else None
         self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps) if sandwich else None
 
@@ -114,6 +115,16 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
 class Gemma2ForCausalLM(GemmaForCausalLM):
     """Gemma 2 (2B, 9B, 27B): four norms a layer, soft caps, windowed and full layers alternating."""
+
+
+class VaultGemmaForCausalLM(GemmaForCausalLM):
+    """Google's VaultGemma (vaultgemma-1b, trained with differential privacy): Gemma 2's attention (soft
+    caps, query_pre_attn_scalar, windowed layers where layer_types says) with Llama's two norms a layer,
+    the MLP's read from the checkpoint's ``pre_feedforward_layernorm``."""
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
+        for name, tensor in weights:
+            yield name.replace(".pre_feedforward_layernorm.", ".post_attention_layernorm."), tensor
 
 
 class Gemma3ForCausalLM(GemmaForCausalLM):

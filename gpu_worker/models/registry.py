@@ -24,7 +24,7 @@ from gpu_worker.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausa
 from gpu_worker.models.eagle import EAGLE_HEADS
 from gpu_worker.models.falcon import FalconForCausalLM
 from gpu_worker.models.falcon_h1 import FalconH1ForCausalLM
-from gpu_worker.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
+from gpu_worker.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM, VaultGemmaForCausalLM
 from gpu_worker.models.gemma3_vl import Gemma3VLForConditionalGeneration
 from gpu_worker.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
 from gpu_worker.models.gpt2 import GPT2LMHeadModel, GPTBigCodeForCausalLM, GPTJForCausalLM
@@ -103,6 +103,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "PersimmonForCausalLM": PersimmonForCausalLM,
     "HunYuanDenseV1ForCausalLM": HunYuanDenseV1ForCausalLM,
     "DbrxForCausalLM": DbrxForCausalLM,
+    "VaultGemmaForCausalLM": VaultGemmaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,

@@ -39,6 +39,9 @@ CASES = {
     "hunyuan_dense": ("hunyuan_dense", {}),
     # DBRX: clamped fused q/k/v, bias-free LayerNorms, 8 experts (2 a token) renormalised; not, MQA.
     "dbrx": ("dbrx", {}),
+    # VaultGemma: Gemma 2's attention and soft caps with two norms a layer; every layer windowed.
+    "vaultgemma": ("vaultgemma", {}),
+    "vaultgemma_every_layer_windowed": ("vaultgemma", {"layer_types": ["sliding_attention"] * 2}),
     "dbrx_unnormalised_mqa": ("dbrx", {"ffn_config": {"moe_normalize_expert_weights": None},
                                        "num_key_value_heads": 1}),
     "hunyuan_dense_plain_rope_mqa": ("hunyuan_dense", {"num_key_value_heads": 1, "rope_parameters": {
@@ -486,6 +489,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "BloomForCausalLM", "MptForCausalLM", "MPTForCausalLM", "FlexOlmoForCausalLM",
                                    "MinistralForCausalLM", "CwmForCausalLM", "PersimmonForCausalLM",
                                    "HunYuanDenseV1ForCausalLM", "DbrxForCausalLM",
+                                   "VaultGemmaForCausalLM",
                                    "BertModel",
                                    "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}

@@ -80,6 +80,7 @@ from transformers import (
     SmolLM3Config,
     StableLmConfig,
     Starcoder2Config,
+    VaultGemmaConfig,
     Zamba2Config,
 )
 
@@ -154,6 +155,11 @@ def make_config(kind: str = "llama", **overrides):
                              "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 8, "moe_top_k": 2,
                                             **kw.get("ffn_config", {})},
                              "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2})  # (DBRX is never tied)
+    # VaultGemma: Gemma 2's attention (soft caps, a window of 8 on every other layer) with two norms a
+    # layer.
+    if kind == "vaultgemma":
+        return VaultGemmaConfig(**{"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8, "pad_token_id": 0,
+                                   "bos_token_id": 1, "eos_token_id": 2, **kw})
     if kind == "ministral3":
         return Ministral3Config(**{"rope_parameters": MINISTRAL3_ROPE, "head_dim": 16, "sliding_window": None,
                                    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
