@@ -144,8 +144,8 @@ def test_tied_embeddings_have_no_lm_head(tmp_path: Path) -> None:
 
 
 def test_other_architectures_are_rejected(tmp_path: Path, tiny_model: LlamaForCausalLM) -> None:
-    path = write_tiny_gguf(tmp_path / "other.gguf", tiny_model, architecture="bloom")
-    with pytest.raises(ValueError, match="architecture 'bloom' is not supported; one of llama, qwen2, qwen3, gemma"):
+    path = write_tiny_gguf(tmp_path / "other.gguf", tiny_model, architecture="rwkv6")
+    with pytest.raises(ValueError, match="architecture 'rwkv6' is not supported; one of llama, qwen2, qwen3, gemma"):
         load_gguf(path)
 
 
