@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from gpu_worker.layers.layernorm import LayerNorm
 from gpu_worker.models.classic import GPTNeoXMLP
+from gpu_worker.models.gpt2 import GPTCheckpoint
 from gpu_worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
-from gpu_worker.models.renamed_checkpoint import RenamedCheckpoint, rename_parts
 
 # BLOOM's top-level modules -> ours (after an optional "transformer." prefix).
 _TOP_LEVEL = (("word_embeddings_layernorm.", "model.embed_norm."), ("word_embeddings.", "model.embed_tokens."),
@@ -28,15 +28,11 @@ class BloomModel(LlamaModel):
     layer_class = BloomDecoderLayer
 
 
-class BloomForCausalLM(RenamedCheckpoint, LlamaForCausalLM):
+class BloomForCausalLM(GPTCheckpoint, LlamaForCausalLM):
+    """BLOOM's names, read as the GPT family's are (``transformer.`` before them or not)."""
+
     model_class = BloomModel
+    skipped = ()
+    top_level = _TOP_LEVEL
     renames = ((".self_attention.dense.", ".self_attn.o_proj."), (".self_attention.", ".self_attn."))
     fused = ".self_attn.query_key_value."
-
-    def ours(self, name: str) -> str:
-        name = name.removeprefix("transformer.")
-        for theirs, ours in _TOP_LEVEL:
-            if name.startswith(theirs):
-                name = ours + name[len(theirs):]
-                break
-        return rename_parts(name, self.renames)

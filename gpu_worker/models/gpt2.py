@@ -37,13 +37,14 @@ _MASKS = (".attn.bias", ".attn.masked_bias")
 
 class GPTCheckpoint(RenamedCheckpoint):
     """The GPT family's names: ``transformer.`` (or nothing, as openai-community/gpt2 saved them) before
-    its top-level modules, then the layers' parts."""
+    its top-level modules (``top_level``: theirs, ours), then the layers' parts."""
 
     skipped = _MASKS
+    top_level = _TOP_LEVEL
 
     def ours(self, name: str) -> str:
         name = name.removeprefix("transformer.")
-        for theirs, ours in _TOP_LEVEL:
+        for theirs, ours in self.top_level:
             if name.startswith(theirs):
                 name = ours + name[len(theirs):]
                 break

@@ -1258,21 +1258,6 @@ def test_dbrx_config_as_released():
                                                           "moe_normalize_expert_weights": 2}})
 
 
-def test_bloom_560ms_released_names_load(tmp_path):
-    """bigscience/bloom-560m's checkpoint names its tensors without "transformer." (and has no head: tied)."""
-    path = save_tiny_model(tmp_path, "bloom")
-    hf = load_hf(path)
-    saved = load_file(path / "model.safetensors")
-    tensors = {name.removeprefix("transformer."): tensor for name, tensor in saved.items() if name != "lm_head.weight"}
-    assert "word_embeddings_layernorm.weight" in tensors and "h.0.self_attention.query_key_value.weight" in tensors
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    runner = make_runner(path, num_blocks=16, block_size=4)
-    prompt = [(5 * i + 1) % 256 for i in range(20)]
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0]
-    torch.testing.assert_close(prefill_logits(runner, prompt, [3, 1, 4, 0, 2]), ref, atol=1e-4, rtol=1e-4)
-
-
 def test_apertus_config_defaults_and_its_fixed_xielu_scalars(tmp_path):
     """Apertus's RoPE defaults (llama3 over 8192 positions, base 12M) as transformers' ApertusConfig
     has them; xIELU's beta and eps are transformers' fixed values, a checkpoint stating others refused."""
@@ -1313,13 +1298,18 @@ def test_phimoe_config_as_released():
         ModelConfig.from_dict({**released, "num_experts_per_tok": 4})
 
 
-def test_opt_125ms_released_names_load(tmp_path):
-    """facebook/opt-125m's checkpoint names its tensors ``decoder.*`` (no "model.", no head: tied)."""
-    path = save_tiny_model(tmp_path, "opt")
+@pytest.mark.parametrize("kind, prefix, saved_as", [
+    ("opt", "model.", ("decoder.embed_positions.weight", "decoder.layers.0.fc1.weight")),
+    ("bloom", "transformer.", ("word_embeddings_layernorm.weight", "h.0.self_attention.query_key_value.weight")),
+])
+def test_released_names_without_the_base_models_prefix_load(tmp_path, kind, prefix, saved_as):
+    """facebook/opt-125m's checkpoint names its tensors ``decoder.*`` (no "model."), bigscience/bloom-560m's
+    without "transformer."; neither has a head (tied)."""
+    path = save_tiny_model(tmp_path, kind)
     hf = load_hf(path)
     saved = load_file(path / "model.safetensors")
-    tensors = {name.removeprefix("model."): tensor for name, tensor in saved.items() if name != "lm_head.weight"}
-    assert "decoder.embed_positions.weight" in tensors and "decoder.layers.0.fc1.weight" in tensors
+    tensors = {name.removeprefix(prefix): tensor for name, tensor in saved.items() if name != "lm_head.weight"}
+    assert all(name in tensors for name in saved_as)
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     runner = make_runner(path, num_blocks=16, block_size=4)
     prompt = [(5 * i + 1) % 256 for i in range(20)]
