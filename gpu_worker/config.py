@@ -137,13 +137,16 @@ LLAMA_LIKE_DEFAULTS = {
     "HunYuanDenseV1ForCausalLM": {"vocab_size": 290943, "hidden_size": 4096, "intermediate_size": 11008,
                                   "num_hidden_layers": 32, "num_attention_heads": 32, "rms_norm_eps": 1e-5,
                                   "max_position_embeddings": 2048},
+    "MinistralForCausalLM": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+                             "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                             "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "sliding_window": 4096},
     "CwmForCausalLM": {"vocab_size": 128256, "hidden_size": 6144, "intermediate_size": 21504,
                        "num_hidden_layers": 64, "num_attention_heads": 48, "num_key_value_heads": 8, "head_dim": 128,
                        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "sliding_window": 8192,
                        "eos_token_id": [128001, 128008, 128009]},
     "FlexOlmoForCausalLM": {"vocab_size": 100352, "hidden_size": 4096, "intermediate_size": 11008,
                             "num_hidden_layers": 32, "num_attention_heads": 32, "rms_norm_eps": 1e-6,
-                            "max_position_embeddings": 4096},
+                            "max_position_embeddings": 4096, "eos_token_id": 100257, "pad_token_id": 100277},
     "ApertusForCausalLM": {"rms_norm_eps": 1e-5, "max_position_embeddings": 65536, "hidden_act": "xielu"},
     "Dots1ForCausalLM": {"num_key_value_heads": 32},
     "PhimoeForCausalLM": {"vocab_size": 32064, "hidden_size": 4096, "intermediate_size": 6400, "num_hidden_layers": 32,
@@ -297,8 +300,9 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return _DTYPES[key]
 
 
-# vLLM's _FLOAT16_NOT_SUPPORTED_MODELS (gemma2, gemma3, gemma3_text): their activations overflow
-# float16's range, so "auto" never picks it for them and --dtype float16 is refused.
+# vLLM's _FLOAT16_NOT_SUPPORTED_MODELS (gemma2, gemma3, gemma3_text), and VaultGemma (Gemma 2's layers:
+# our addition): their activations overflow float16's range, so "auto" never picks it for them and
+# --dtype float16 is refused.
 FLOAT16_UNSUPPORTED_ARCHITECTURES = (*GEMMA2_ARCHITECTURES, "Gemma3ForCausalLM")
 
 
@@ -1454,9 +1458,13 @@ def _dbrx_config(cfg: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"DbrxForCausalLM with moe_normalize_expert_weights={norm!r} (its routing weights over "
                          f"their L{norm} norm) is not served: 1 (or none) is")
     hidden = int(cfg["d_model"])
+    # The base is attn_config's (the trained one, as vLLM reads it): a config transformers 5 saved also
+    # carries a rope_parameters of its own default base, 10,000, which its DBRX runs with.
+    rope = {"rope_type": "default", "rope_theta": float(attn["rope_theta"])}
     return {**cfg, "hidden_size": hidden, "num_attention_heads": int(cfg["n_heads"]),
             "num_key_value_heads": int(attn["kv_n_heads"]), "num_hidden_layers": int(cfg["n_layers"]),
-            "max_position_embeddings": int(cfg["max_seq_len"]), "rope_theta": float(attn["rope_theta"]),
+            "max_position_embeddings": int(cfg["max_seq_len"]), "rope_parameters": rope, "rope_scaling": None,
+            "rope_theta": rope["rope_theta"],
             "clip_qkv": attn["clip_qkv"], "intermediate_size": int(ffn["ffn_hidden_size"]),
             "num_local_experts": int(ffn["moe_num_experts"]), "num_experts_per_tok": int(ffn["moe_top_k"]),
             "norm_topk_prob": norm is not None, "rms_norm_eps": 1e-5,

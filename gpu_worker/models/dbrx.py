@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from gpu_worker.layers.weight_utils import WeightLike, materialize
+from gpu_worker.layers.weight_utils import WeightLike
 from gpu_worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from gpu_worker.models.mpt import BiaslessLayerNorm
 from gpu_worker.models.renamed_checkpoint import RenamedCheckpoint
@@ -49,15 +49,35 @@ class DbrxForCausalLM(RenamedCheckpoint, LlamaForCausalLM):
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         """Each stacked expert tensor (every expert's rows, [experts x intermediate, hidden]) as one
-        tensor per expert, under the names the experts load."""
-        experts, width = self.config.num_experts, self.config.moe_intermediate_size
+        lazily read tensor per expert, under the names the experts load: a rank reads only the rows
+        of its experts' slices (tensor or expert parallelism)."""
+        width = self.config.moe_intermediate_size
         for name, tensor in super().checkpoint_tensors(weights):
             stack = name.rsplit(".", 1)[-1]
             if ".mlp.experts." not in name or stack not in _EXPERT_STACKS:
                 yield name, tensor
                 continue
             projection, transposed = _EXPERT_STACKS[stack]
-            per_expert = materialize(tensor).view(experts, width, -1)
-            for expert in range(experts):
-                rows = per_expert[expert]
-                yield f"{name.rsplit('.', 1)[0]}.{expert}.{projection}.weight", rows.t() if transposed else rows
+            for expert in range(self.config.num_experts):
+                yield (f"{name.rsplit('.', 1)[0]}.{expert}.{projection}.weight",
+                       ExpertRows(tensor, expert * width, width, transposed))
+
+
+class ExpertRows:
+    """One expert's rows [width, hidden] of a stacked DBRX tensor, or their transpose [hidden, width]
+    (w2's down projection), read on ``narrow`` as a lazy checkpoint tensor is (WeightLike)."""
+
+    __slots__ = ("_first", "_stack", "_transposed", "_width", "shape")
+
+    def __init__(self, stack: WeightLike, first: int, width: int, transposed: bool) -> None:
+        self._stack, self._first, self._width, self._transposed = stack, first, width, transposed
+        hidden = stack.shape[1]
+        self.shape = torch.Size((hidden, width) if transposed else (width, hidden))
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        along_rows = dim == (1 if self._transposed else 0)  # (the expert's own rows in the stack)
+        if along_rows:
+            rows = self._stack.narrow(0, self._first + start, length)
+        else:
+            rows = self._stack.narrow(0, self._first, self._width).narrow(1, start, length)
+        return rows.t() if self._transposed else rows

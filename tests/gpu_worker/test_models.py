@@ -1187,6 +1187,21 @@ def test_flex_olmo_config_defaults_are_transformers():
     assert config.rms_norm_eps == hf.rms_norm_eps == 1e-6 and config.rope_theta == hf.rope_parameters["rope_theta"]
     assert config.max_context_len == hf.max_position_embeddings and not config.tie_word_embeddings
     assert config.vocab_size == hf.vocab_size and all(config.layer_is_moe(i) for i in range(32))
+    assert config.eos_token_ids == (hf.eos_token_id,)
+
+
+def test_ministral_config_defaults_are_transformers():
+    """A Ministral config leaving its keys out reads transformers' MinistralConfig defaults (Mistral's):
+    a 4096-token window on every layer, 8 KV heads, 131,072 positions."""
+    from transformers import MinistralConfig
+
+    hf = MinistralConfig()
+    config = ModelConfig.from_dict({"architectures": ["MinistralForCausalLM"]})
+    assert [config.layer_sliding_window(i) for i in range(hf.num_hidden_layers)] == [hf.sliding_window] * 32
+    assert (config.num_key_value_heads, config.max_context_len, config.rms_norm_eps) == (
+        hf.num_key_value_heads, hf.max_position_embeddings, hf.rms_norm_eps)
+    assert (config.vocab_size, config.hidden_size, config.intermediate_size) == (
+        hf.vocab_size, hf.hidden_size, hf.intermediate_size)
 
 
 def test_cwm_config_defaults_are_transformers():
@@ -1256,6 +1271,9 @@ def test_dbrx_config_as_released():
     with pytest.raises(ValueError, match="moe_normalize_expert_weights"):
         ModelConfig.from_dict({**released, "ffn_config": {**released["ffn_config"],
                                                           "moe_normalize_expert_weights": 2}})
+    # Saved by transformers 5: its own default base beside attn_config's; the trained one is served.
+    resaved = {**released, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+    assert ModelConfig.from_dict(resaved).rope_theta == 500000.0
 
 
 def test_apertus_config_defaults_and_its_fixed_xielu_scalars(tmp_path):

@@ -152,6 +152,8 @@ def make_config(kind: str = "llama", **overrides):
                              "vocab_size": kw["vocab_size"], "initializer_range": kw["initializer_range"],
                              "attn_config": {"kv_n_heads": kw["num_key_value_heads"], "clip_qkv": 0.6,
                                              "rope_theta": 500000.0},
+                             # (transformers 5's DBRX reads its base here, not attn_config's)
+                             "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
                              "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 8, "moe_top_k": 2,
                                             **kw.get("ffn_config", {})},
                              "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2})  # (DBRX is never tied)
