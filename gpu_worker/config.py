@@ -81,7 +81,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "ApertusForCausalLM", "PhimoeForCausalLM", "BloomForCausalLM", "MptForCausalLM",
                            "MPTForCausalLM", "FlexOlmoForCausalLM", "MinistralForCausalLM", "CwmForCausalLM",
                            "PersimmonForCausalLM", "HunYuanDenseV1ForCausalLM", "DbrxForCausalLM",
-                           "VaultGemmaForCausalLM")
+                           "VaultGemmaForCausalLM", "HunYuanMoEV1ForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -113,6 +113,11 @@ GLM_DENSE_ARCHITECTURES = ("GlmForCausalLM", "Glm4ForCausalLM")
 _GLM_DEFAULTS = {"rms_norm_eps": 1.5625e-07, "max_position_embeddings": 131072, "intermediate_size": 13696,
                  "head_dim": 128, "num_key_value_heads": 2, "attention_bias": True,
                  "eos_token_id": [151329, 151336, 151338]}
+# Tencent's Hunyuan models, dense and mixture-of-experts: transformers' HunYuanDenseV1Config's and
+# HunYuanMoEV1Config's defaults (the same).
+HUNYUAN_ARCHITECTURES = ("HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM")
+_HUNYUAN_DEFAULTS = {"vocab_size": 290943, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                     "num_attention_heads": 32, "rms_norm_eps": 1e-5, "max_position_embeddings": 2048}
 # transformers' defaults for the keys a config of these Llama-like families may leave out.
 LLAMA_LIKE_DEFAULTS = {
     "GlmForCausalLM": _GLM_DEFAULTS,
@@ -134,9 +139,8 @@ LLAMA_LIKE_DEFAULTS = {
     "PersimmonForCausalLM": {"vocab_size": 262144, "hidden_size": 4096, "intermediate_size": 16384,
                              "num_hidden_layers": 36, "num_attention_heads": 64, "max_position_embeddings": 16384,
                              "hidden_act": "relu2", "partial_rotary_factor": 0.5, "qk_layernorm": True},
-    "HunYuanDenseV1ForCausalLM": {"vocab_size": 290943, "hidden_size": 4096, "intermediate_size": 11008,
-                                  "num_hidden_layers": 32, "num_attention_heads": 32, "rms_norm_eps": 1e-5,
-                                  "max_position_embeddings": 2048},
+    "HunYuanDenseV1ForCausalLM": _HUNYUAN_DEFAULTS,
+    "HunYuanMoEV1ForCausalLM": _HUNYUAN_DEFAULTS,
     "MinistralForCausalLM": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
                              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
                              "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "sliding_window": 4096},
@@ -343,7 +347,7 @@ def _rope_from_dict(arch: str, cfg: dict[str, Any]) -> tuple[float, dict[str, An
     # Phi-3's early configs call LongRoPE "su" (or "yarn"), as transformers reads them.
     if rope_type == "su" or (rope_type == "yarn" and arch == "Phi3ForCausalLM"):
         rope_type = "longrope"
-    if arch == "HunYuanDenseV1ForCausalLM" and rope_type == "dynamic" and scaling.get("alpha"):
+    if arch in HUNYUAN_ARCHITECTURES and rope_type == "dynamic" and scaling.get("alpha"):
         # HunYuan's NTK by a fixed alpha: a larger base, base * alpha ** (d / (d - 2)), whatever the length.
         dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
         theta, rope_type, scaling = theta * float(scaling["alpha"]) ** (dim / (dim - 2)), "default", {}
@@ -1609,6 +1613,27 @@ def _mla_fields(arch: str, cfg: dict[str, Any], scaling: dict[str, Any] | None) 
                 rope_interleave=bool(cfg.get("rope_interleave", True)), attention_multiplier=scale)
 
 
+def _hunyuan_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Hunyuan MoE's experts (Hunyuan-A13B): num_experts, moe_topk, moe_intermediate_size and
+    num_shared_expert, each one value or one per layer (served where every layer's is the same), the
+    experts intermediate_size wide where moe_intermediate_size is unset (as transformers builds them),
+    the top k renormalised, a shared MLP of num_shared_expert x intermediate_size beside them unless
+    use_mixed_mlp_moe is off (as vLLM reads them; transformers' has one of intermediate_size always)."""
+
+    def uniform(key: str, default: Any) -> int:
+        value = cfg.get(key)
+        values = set(value) if isinstance(value, list) else {default if value is None else value}
+        if len(values) != 1:
+            raise ValueError(f"HunYuanMoEV1ForCausalLM with {key} differing between layers ({value}) is not served")
+        return int(values.pop())
+
+    width = int(cfg["intermediate_size"])
+    shared = uniform("num_shared_expert", 1) * width if cfg.get("use_mixed_mlp_moe", True) else 0
+    return dict(num_experts=uniform("num_experts", 1), num_experts_per_tok=uniform("moe_topk", 1),
+                moe_intermediate_size=uniform("moe_intermediate_size", width), norm_topk_prob=True,
+                shared_expert_intermediate_size=shared, shared_expert_gated=False)
+
+
 def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """ModelConfig's mixture-of-experts fields for an MoE architecture (none for a dense one)."""
     # A key a config leaves out takes transformers' default for the architecture, as HF reads it.
@@ -1723,6 +1748,8 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
                     moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=False,
                     moe_scoring="sparsemixer",
                     sparsemixer_jitter_eps=float(cfg.get("router_jitter_noise", 0.01) or 0.0))
+    if arch == "HunYuanMoEV1ForCausalLM":
+        return _hunyuan_moe_fields(cfg)
     if arch == "DbrxForCausalLM":  # (_dbrx_config's: every layer routed, the experts ffn_hidden_size wide)
         return dict(num_experts=int(cfg["num_local_experts"]), num_experts_per_tok=int(cfg["num_experts_per_tok"]),
                     moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=bool(cfg["norm_topk_prob"]))
@@ -2247,8 +2274,8 @@ class ModelConfig:
                    **({"attention_bias": True} if arch in ("PhiForCausalLM", "PersimmonForCausalLM") else {})}
         if arch == "PersimmonForCausalLM":
             cfg = {**cfg, "num_key_value_heads": cfg["num_attention_heads"]}
-        if arch == "HunYuanDenseV1ForCausalLM" and cfg.get("use_cla"):
-            raise ValueError("HunYuanDenseV1ForCausalLM with use_cla (keys and values shared across layers) is not "
+        if arch in HUNYUAN_ARCHITECTURES and cfg.get("use_cla"):
+            raise ValueError(f"{arch} with use_cla (keys and values shared across layers) is not "
                              "served")
         if arch == "MiniMaxM2ForCausalLM":
             cfg = {**MINIMAX_M2_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
@@ -2423,7 +2450,7 @@ class ModelConfig:
             o_proj_bias=o_bias,
             mlp_bias=bool(cfg.get("mlp_bias", cfg.get("use_bias", False))),  # (ERNIE 4.5's use_bias covers its MLP too)
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Dots1ForCausalLM",
-                             "HunYuanDenseV1ForCausalLM")
+                             *HUNYUAN_ARCHITECTURES)
             or (arch == "Glm4MoeForCausalLM" and bool(cfg.get("use_qk_norm", False)))
             or arch in (*LFM2_ARCHITECTURES, "Exaone4ForCausalLM", "ApertusForCausalLM")
             or (arch in ("PhiForCausalLM", "PersimmonForCausalLM") and bool(cfg.get("qk_layernorm"))),

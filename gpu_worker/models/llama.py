@@ -568,6 +568,17 @@ class HunYuanDenseV1ForCausalLM(LlamaForCausalLM):
                    .replace(".self_attn.key_layernorm.", ".self_attn.k_norm.")), tensor
 
 
+class HunYuanMoEV1ForCausalLM(HunYuanDenseV1ForCausalLM):
+    """Tencent's Hunyuan MoE (Hunyuan-A13B-Instruct): the dense model's attention with routed experts
+    in every layer (the softmax's top k, renormalised) beside a shared MLP (``shared_mlp``: our
+    shared_experts), the router ``gate.wg``."""
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
+        for name, tensor in super().checkpoint_tensors(weights):
+            yield (name.replace(".mlp.shared_mlp.", ".mlp.shared_experts.")
+                   .replace(".mlp.gate.wg.", ".mlp.gate.")), tensor
+
+
 class CwmForCausalLM(LlamaForCausalLM):
     """Meta's Code World Model (facebook/cwm): Llama 3's block with llama3 RoPE, three layers of four
     attending through a window (layer_types: every fourth from the first attends fully)."""

@@ -22,7 +22,8 @@ KINDS = ["llama", "qwen2", "qwen3", "phi3", "mistral", "mixtral", "qwen2_moe", "
          "helium", "ernie4_5", "ernie4_5_moe", "arcee", "exaone4", "starcoder2", "stablelm", "nemotron", "olmo",
          "phi", "gpt_neox", "glm", "dots1", "gpt2", "gpt_bigcode", "gptj", "opt", "falcon", "apertus", "phimoe",
          "llama4", "bloom", "mpt", "falcon_rw", "flex_olmo", "ministral", "cwm",
-         "persimmon", "hunyuan_dense", "dbrx", "vaultgemma"]
+         "persimmon", "hunyuan_dense", "dbrx", "vaultgemma",
+         "hunyuan_moe"]
 # (Mistral's window of 8 keys is crossed by most prompts; Gemma 3 alternates windowed and full layers.)
 OVERRIDES = {"mistral": {"sliding_window": 8}, "cohere": {"use_qk_norm": True},
              "stablelm": {"use_parallel_residual": True, "qk_layernorm": True}}

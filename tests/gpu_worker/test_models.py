@@ -37,6 +37,10 @@ CASES = {
     "persimmon": ("persimmon", {}),
     # Hunyuan dense: q/k norms after RoPE, NTK RoPE by a fixed alpha; plain RoPE, one KV head.
     "hunyuan_dense": ("hunyuan_dense", {}),
+    # Hunyuan MoE: the dense model's attention, 8 experts (2 a token) beside a shared MLP; plain RoPE, MQA.
+    "hunyuan_moe": ("hunyuan_moe", {}),
+    "hunyuan_moe_plain_rope_mqa": ("hunyuan_moe", {"num_key_value_heads": 1, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 10000.0}}),
     # DBRX: clamped fused q/k/v, bias-free LayerNorms, 8 experts (2 a token) renormalised; not, MQA.
     "dbrx": ("dbrx", {}),
     # VaultGemma: Gemma 2's attention and soft caps with two norms a layer; every layer windowed.
@@ -489,7 +493,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "BloomForCausalLM", "MptForCausalLM", "MPTForCausalLM", "FlexOlmoForCausalLM",
                                    "MinistralForCausalLM", "CwmForCausalLM", "PersimmonForCausalLM",
                                    "HunYuanDenseV1ForCausalLM", "DbrxForCausalLM",
-                                   "VaultGemmaForCausalLM",
+                                   "VaultGemmaForCausalLM", "HunYuanMoEV1ForCausalLM",
                                    "BertModel",
                                    "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
@@ -911,7 +915,7 @@ def test_multi_token_prediction_layers_are_not_read_by_the_model(tmp_path, kind)
     torch.testing.assert_close(prefill_logits(runner, prompt, [3, 1, 4, 0, 2]), ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["granitemoe", "minimax_m2", "mixtral", "olmoe", "flex_olmo"])
+@pytest.mark.parametrize("kind", ["granitemoe", "minimax_m2", "mixtral", "olmoe", "flex_olmo", "hunyuan_moe"])
 def test_moe_checkpoints_in_transformers_own_layout_load_too(tmp_path, kind):
     """Saved with transformers 5's own names (save_original_format=False: stacked experts, its router
     and bias names) rather than the released ones: the same logits."""
@@ -1248,6 +1252,30 @@ def test_hunyuan_dense_config_as_released():
     config = ModelConfig.from_dict(released)
     assert config.rope_scaling is None and config.rope_theta == pytest.approx(10000.0 * 1000.0 ** (128 / 126))
     assert config.qk_norm and config.head_dim == 128 and config.max_context_len == 32768
+    with pytest.raises(ValueError, match="use_cla"):
+        ModelConfig.from_dict({**released, "use_cla": True})
+
+
+def test_hunyuan_moe_config_as_released():
+    """Hunyuan-A13B-Instruct's config (per-layer lists of one value): 64 experts of 3072, 8 a token,
+    renormalised, one shared MLP as wide; NTK RoPE by alpha; lists that differ between layers, and
+    cross-layer attention, refused."""
+    layers = 32
+    released = {"architectures": ["HunYuanMoEV1ForCausalLM"], "hidden_size": 4096, "intermediate_size": 3072,
+                "num_hidden_layers": layers, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                "vocab_size": 128167, "max_position_embeddings": 32768, "num_experts": 64,
+                "moe_topk": [8] * layers, "moe_intermediate_size": [3072] * layers,
+                "num_shared_expert": [1] * layers, "use_mixed_mlp_moe": True, "use_cla": False, "use_qk_norm": True,
+                "rope_theta": 10000.0, "rope_scaling": {"alpha": 1000.0, "factor": 1.0, "type": "dynamic"}}
+    config = ModelConfig.from_dict(released)
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (64, 8, 3072)
+    assert config.shared_expert_intermediate_size == 3072 and not config.shared_expert_gated
+    assert config.norm_topk_prob and all(config.layer_is_moe(i) for i in range(layers)) and config.qk_norm
+    assert config.rope_theta == pytest.approx(10000.0 * 1000.0 ** (128 / 126)) and config.rope_scaling is None
+    assert ModelConfig.from_dict({**released, "num_shared_expert": 2}).shared_expert_intermediate_size == 6144
+    assert ModelConfig.from_dict({**released, "use_mixed_mlp_moe": False}).shared_expert_intermediate_size == 0
+    with pytest.raises(ValueError, match="moe_topk differing between layers"):
+        ModelConfig.from_dict({**released, "moe_topk": [8] * (layers - 1) + [4]})
     with pytest.raises(ValueError, match="use_cla"):
         ModelConfig.from_dict({**released, "use_cla": True})
 

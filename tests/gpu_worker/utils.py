@@ -48,6 +48,7 @@ from transformers import (
     GraniteMoeSharedConfig,
     HeliumConfig,
     HunYuanDenseV1Config,
+    HunYuanMoEV1Config,
     JambaConfig,
     Lfm2Config,
     Lfm2MoeConfig,
@@ -162,6 +163,13 @@ def make_config(kind: str = "llama", **overrides):
     if kind == "vaultgemma":
         return VaultGemmaConfig(**{"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8, "pad_token_id": 0,
                                    "bos_token_id": 1, "eos_token_id": 2, **kw})
+    # Hunyuan MoE: the dense model's attention, 8 experts of 32 (2 a token, renormalised) beside a
+    # shared MLP as wide.
+    if kind == "hunyuan_moe":
+        return HunYuanMoEV1Config(**{"head_dim": 16, "rope_parameters": {"rope_type": "dynamic", "alpha": 1000.0,
+                                                                         "factor": 1.0, "rope_theta": 10000.0},
+                                     "num_experts": 8, "moe_topk": 2, "intermediate_size": 32, "pad_token_id": 0,
+                                     "bos_token_id": 1, "eos_token_id": 2, **kw})
     if kind == "ministral3":
         return Ministral3Config(**{"rope_parameters": MINISTRAL3_ROPE, "head_dim": 16, "sliding_window": None,
                                    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
