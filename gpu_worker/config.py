@@ -1618,7 +1618,8 @@ def _hunyuan_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     num_shared_expert, each one value or one per layer (served where every layer's is the same), the
     experts intermediate_size wide where moe_intermediate_size is unset (as transformers builds them),
     the top k renormalised, a shared MLP of num_shared_expert x intermediate_size beside them unless
-    use_mixed_mlp_moe is off (as vLLM reads them; transformers' has one of intermediate_size always)."""
+    use_mixed_mlp_moe is off (as vLLM reads them; transformers' has one of intermediate_size always); the
+    router in fp32, as transformers keeps it."""
 
     def uniform(key: str, default: Any) -> int:
         value = cfg.get(key)
@@ -1631,7 +1632,7 @@ def _hunyuan_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     shared = uniform("num_shared_expert", 1) * width if cfg.get("use_mixed_mlp_moe", True) else 0
     return dict(num_experts=uniform("num_experts", 1), num_experts_per_tok=uniform("moe_topk", 1),
                 moe_intermediate_size=uniform("moe_intermediate_size", width), norm_topk_prob=True,
-                shared_expert_intermediate_size=shared, shared_expert_gated=False)
+                shared_expert_intermediate_size=shared, shared_expert_gated=False, moe_router_fp32=True)
 
 
 def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
@@ -1884,6 +1885,9 @@ class ModelConfig:
     moe_scoring: str = "softmax"
     sparsemixer_jitter_eps: float = 0.0
     moe_correction_bias: bool = False
+    # The router in fp32 whatever the model's dtype (Hunyuan MoE's gate.wg, as transformers keeps it;
+    # the grouped routers' always are).
+    moe_router_fp32: bool = False
     moe_num_groups: int = 1
     moe_topk_groups: int = 1
     routed_scaling_factor: float = 1.0

@@ -149,8 +149,10 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.renormalize = config.norm_topk_prob
         self.grouped_topk, self.scoring = config.moe_grouped_topk, config.moe_scoring
+        # (An fp32 router: the grouped ones', Hunyuan MoE's.)
+        self.fp32_router = self.grouped_topk or config.moe_router_fp32
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=config.moe_bias,
-                              dtype=torch.float32 if self.grouped_topk else None).requires_grad_(False)
+                              dtype=torch.float32 if self.fp32_router else None).requires_grad_(False)
         if config.moe_correction_bias:
             self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts, dtype=torch.float32),
                                                              requires_grad=False)
@@ -181,7 +183,8 @@ class SparseMoeBlock(nn.Module):
         elif self.scoring == "sparsemixer":
             weights, ids = select_experts_sparsemixer(self.gate.forward(x), self.jitter_eps)
         else:
-            weights, ids = select_experts(self.gate.forward(x), self.experts.top_k, self.renormalize)
+            weights, ids = select_experts(self.gate.forward(x.float() if self.fp32_router else x), self.experts.top_k,
+                                          self.renormalize)
         out = self.experts.forward(x, weights, ids)
         if self.shared_expert is not None:
             shared = self.shared_expert.forward(x)

@@ -1274,6 +1274,7 @@ def test_hunyuan_moe_config_as_released():
     assert config.rope_theta == pytest.approx(10000.0 * 1000.0 ** (128 / 126)) and config.rope_scaling is None
     assert ModelConfig.from_dict({**released, "num_shared_expert": 2}).shared_expert_intermediate_size == 6144
     assert ModelConfig.from_dict({**released, "use_mixed_mlp_moe": False}).shared_expert_intermediate_size == 0
+    assert config.moe_router_fp32  # (gate.wg in fp32, as transformers keeps it)
     with pytest.raises(ValueError, match="moe_topk differing between layers"):
         ModelConfig.from_dict({**released, "moe_topk": [8] * (layers - 1) + [4]})
     with pytest.raises(ValueError, match="use_cla"):
