@@ -22,10 +22,15 @@ def test_a_cancelled_ray_task_cancels_the_calls_of_its_tasks_but_not_of_detached
     class Held:
         def __init__(self) -> None:
             self.released = asyncio.Event()
+            self.arrived = 0
 
         async def wait(self) -> str:
+            self.arrived += 1
             await self.released.wait()
             return "done"
+
+        def arrivals(self) -> int:
+            return self.arrived
 
         def release(self) -> None:
             self.released.set()
@@ -65,6 +70,13 @@ def test_a_cancelled_ray_task_cancels_the_calls_of_its_tasks_but_not_of_detached
     try:
         request = starter.request.remote()
         wait_for(lambda seen: seen == {"plain": "started", "detached": "started"})
+        # Both calls must be running on the held actor before the cancel: a call still queued in
+        # the caller's submitter (the held actor being created, on a loaded machine) could miss
+        # the recursive cancel, which is Ray's race, not what this test is about.
+        deadline = time.monotonic() + 30
+        while ray.get(held.arrivals.remote()) < 2:
+            assert time.monotonic() < deadline, "the calls never reached the held actor"
+            time.sleep(0.02)
         ray.cancel(request)  # (recursive, by default: as Serve cancels a request whose client left)
         with pytest.raises(ray.exceptions.TaskCancelledError):
             ray.get(request, timeout=30)
