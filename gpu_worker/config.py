@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -81,7 +82,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "ApertusForCausalLM", "PhimoeForCausalLM", "BloomForCausalLM", "MptForCausalLM",
                            "MPTForCausalLM", "FlexOlmoForCausalLM", "MinistralForCausalLM", "CwmForCausalLM",
                            "PersimmonForCausalLM", "HunYuanDenseV1ForCausalLM", "DbrxForCausalLM",
-                           "VaultGemmaForCausalLM", "HunYuanMoEV1ForCausalLM")
+                           "VaultGemmaForCausalLM", "HunYuanMoEV1ForCausalLM", "MiniCPM3ForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -100,6 +101,8 @@ QWEN3_NEXT_FAMILY = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeFo
 GRANITE_MOE_ARCHITECTURES = ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM")
 # Multi-head latent attention (MLA): DeepSeek-V2 / V3 (and Kimi K2, DeepSeek-R1: V3's architecture).
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+# MLA's models: DeepSeek's, and MiniCPM3 (MLA with RoPE in halves, dense MLPs, muP-style scalings).
+MLA_ARCHITECTURES = (*DEEPSEEK_ARCHITECTURES, "MiniCPM3ForCausalLM")
 # transformers' GptOssConfig defaults for the keys a GPT-OSS config may leave out (gpt-oss-20b's and
 # -120b's configs state them, but for swiglu_alpha; the experts' are _moe_from_dict's).
 GPT_OSS_DEFAULTS = {"head_dim": 64, "sliding_window": 128, "attention_bias": True, "rms_norm_eps": 1e-5,
@@ -118,6 +121,10 @@ _GLM_DEFAULTS = {"rms_norm_eps": 1.5625e-07, "max_position_embeddings": 131072, 
 HUNYUAN_ARCHITECTURES = ("HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM")
 _HUNYUAN_DEFAULTS = {"vocab_size": 290943, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
                      "num_attention_heads": 32, "rms_norm_eps": 1e-5, "max_position_embeddings": 2048}
+# transformers' MiniCPM3Config defaults for keys a config may leave out (a null in a config is kept:
+# q_lora_rank's means a plain query projection, scale_depth's and dim_model_base's no scaling).
+MINICPM3_DEFAULTS = {"rms_norm_eps": 1e-5, "max_position_embeddings": 32768, "tie_word_embeddings": True,
+                     "intermediate_size": 6400}
 # transformers' defaults for the keys a config of these Llama-like families may leave out.
 LLAMA_LIKE_DEFAULTS = {
     "GlmForCausalLM": _GLM_DEFAULTS,
@@ -1595,22 +1602,44 @@ def _granite_hybrid_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> d
 
 
 def _mla_fields(arch: str, cfg: dict[str, Any], scaling: dict[str, Any] | None) -> dict[str, Any]:
-    """DeepSeek-V2 / V3's multi-head latent attention: its ranks and head widths, and the softmax
-    scale (qk_head_dim ** -0.5, times YaRN's mscale(factor, mscale_all_dim) squared under YaRN, as
-    transformers' yarn_apply_mscale and vLLM fold it). The attention runs over the latent (see
-    gpu_worker.models.deepseek): one KV "head" of kv_lora_rank + qk_rope_head_dim values."""
-    if arch not in DEEPSEEK_ARCHITECTURES:
+    """Multi-head latent attention (DeepSeek-V2 / V3's, MiniCPM3's): its ranks and head widths, and
+    the softmax scale (qk_head_dim ** -0.5, times YaRN's mscale(factor, mscale_all_dim) squared under
+    YaRN, as transformers' yarn_apply_mscale and vLLM fold it). The attention runs over the latent
+    (see gpu_worker.models.deepseek): one KV "head" of kv_lora_rank + qk_rope_head_dim values.
+    MiniCPM3's defaults are transformers' MiniCPM3Config's (its value heads hidden_size / heads wide
+    where unset), its rotary values in halves as Llama's."""
+    if arch not in MLA_ARCHITECTURES:
         return {}
-    nope, rope = int(cfg.get("qk_nope_head_dim", 128)), int(cfg.get("qk_rope_head_dim", 64))
+    minicpm3 = arch == "MiniCPM3ForCausalLM"
+    nope = int(cfg.get("qk_nope_head_dim") or (64 if minicpm3 else 128))
+    rope = int(cfg.get("qk_rope_head_dim") or (32 if minicpm3 else 64))
     if rope % 2:
         raise ValueError(f"qk_rope_head_dim must be even, got {rope}")
     scale = (nope + rope) ** -0.5
     if scaling is not None and scaling.get("mscale_all_dim"):
         scale *= yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"])) ** 2
-    q_lora = cfg.get("q_lora_rank", 1536)  # (transformers' default; V2-Lite's config says null)
-    return dict(kv_lora_rank=int(cfg.get("kv_lora_rank", 512)), q_lora_rank=int(q_lora) if q_lora else 0,
-                qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=int(cfg.get("v_head_dim", 128)),
-                rope_interleave=bool(cfg.get("rope_interleave", True)), attention_multiplier=scale)
+    # (transformers' defaults; DeepSeek-V2-Lite's config says null: a plain query projection)
+    q_lora = cfg.get("q_lora_rank", 768 if minicpm3 else 1536)
+    v_dim = cfg.get("v_head_dim") or (int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]) if minicpm3 else 128)
+    return dict(kv_lora_rank=int(cfg.get("kv_lora_rank") or (256 if minicpm3 else 512)),
+                q_lora_rank=int(q_lora) if q_lora else 0, qk_nope_head_dim=nope, qk_rope_head_dim=rope,
+                v_head_dim=int(v_dim), rope_interleave=not minicpm3 and bool(cfg.get("rope_interleave", True)),
+                attention_multiplier=scale)
+
+
+def _minicpm_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """MiniCPM's muP-style scalings, as Granite's multipliers: the embeddings times scale_emb, each
+    sublayer's output times scale_depth / sqrt(num_hidden_layers) before its residual add, the final
+    hidden states over hidden_size / dim_model_base (transformers' MiniCPM3Config defaults: 12, 1.4 and
+    256; a null scale_depth or dim_model_base scales by one)."""
+    if arch != "MiniCPM3ForCausalLM":
+        return {}
+    layers, hidden = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"])
+    depth = cfg.get("scale_depth", 1.4)
+    base = cfg.get("dim_model_base", 256)
+    return {"embedding_multiplier": float(cfg.get("scale_emb", 12)),
+            "residual_multiplier": 1.0 if depth is None else float(depth) / math.sqrt(layers),
+            "logits_scaling": 1.0 if base is None else hidden / float(base)}
 
 
 def _hunyuan_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -2257,6 +2286,8 @@ class ModelConfig:
             cfg = _mpt_config(arch, cfg)
         if arch == "DbrxForCausalLM":
             cfg = _dbrx_config(cfg)
+        if arch == "MiniCPM3ForCausalLM":
+            cfg = {**MINICPM3_DEFAULTS, **cfg}
         if arch in LLAMA_LIKE_DEFAULTS:
             cfg = {**LLAMA_LIKE_DEFAULTS[arch], **{k: v for k, v in cfg.items() if v is not None}}
         if arch == "ApertusForCausalLM" and not cfg.get("rope_parameters") and not cfg.get("rope_scaling"):
@@ -2482,6 +2513,7 @@ class ModelConfig:
             **_smollm3_fields(arch, cfg, num_layers),
             **_olmo3_fields(arch, cfg),
             **_granite_fields(arch, cfg),
+            **_minicpm_fields(arch, cfg),
             **hybrid,
             **_nemotron_h_fields(arch, cfg),
             **_qwen3_next_fields(arch, cfg, num_layers),

@@ -150,3 +150,9 @@ def rotary_rows_in_halves(config: ModelConfig, weights: Iterable[tuple[str, Weig
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     pass
+
+
+class MiniCPM3ForCausalLM(DeepseekV2ForCausalLM):
+    """MiniCPM3 (openbmb/MiniCPM3-4B): MLA with its rotary values in halves (no reordering), dense
+    MLPs, and MiniCPM's scalings of the embeddings, residual adds and logits (ModelConfig's Granite
+    multipliers)."""

@@ -97,6 +97,16 @@ CASES = {
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}}),
     "deepseek_v2_lite": ("deepseek_v2", {}),
+    # MiniCPM3: MLA with rotary values in halves, dense MLPs, MiniCPM's scalings of the embeddings,
+    # residual adds and logits; with a plain query projection, biases and an untied head; the scalings
+    # left null (none); LongRoPE past a pretrained 16 positions.
+    "minicpm3": ("minicpm3", {}),
+    "minicpm3_plain_query_bias_untied": ("minicpm3", {"q_lora_rank": None, "attention_bias": True,
+                                                      "tie_word_embeddings": False}),
+    "minicpm3_null_scalings": ("minicpm3", {"scale_depth": None, "dim_model_base": None, "num_hidden_layers": 3}),
+    "minicpm3_longrope": ("minicpm3", {"rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.1, 1.3, 1.8],
+        "long_factor": [1.0, 2.5, 6.0, 12.0], "original_max_position_embeddings": 16}}),
     "deepseek_v2_groups_bias": ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": 4,
                                                 "topk_group": 1, "routed_scaling_factor": 16.0,
                                                 "attention_bias": True, "q_lora_rank": 24}),
@@ -1279,6 +1289,33 @@ def test_hunyuan_moe_config_as_released():
         ModelConfig.from_dict({**released, "moe_topk": [8] * (layers - 1) + [4]})
     with pytest.raises(ValueError, match="use_cla"):
         ModelConfig.from_dict({**released, "use_cla": True})
+
+
+def test_minicpm3_config_as_released():
+    """MiniCPM3-4B's config (its remote-code keys; LongRoPE's 16 factors a list each, here of ones):
+    MLA of a 256-value latent, 64 + 32 query/key values a head, 64 value values (hidden / heads),
+    queries through 768; the embeddings times 12, each residual add times 1.4 / sqrt(62), the logits
+    over 2560 / 256; rotary values in halves."""
+    released = {"architectures": ["MiniCPM3ForCausalLM"], "hidden_size": 2560, "num_hidden_layers": 62,
+                "intermediate_size": 6400, "max_position_embeddings": 32768, "num_attention_heads": 40,
+                "num_key_value_heads": 40, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "q_lora_rank": 768,
+                "kv_lora_rank": 256, "rms_norm_eps": 1e-05, "vocab_size": 73448, "scale_emb": 12,
+                "dim_model_base": 256, "scale_depth": 1.4, "eos_token_id": [2, 73440],
+                "rope_scaling": {"type": "longrope", "long_factor": [1.0] * 16, "short_factor": [1.0] * 16,
+                                 "original_max_position_embeddings": 32768}}
+    config = ModelConfig.from_dict(released)
+    assert (config.kv_lora_rank, config.q_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim,
+            config.v_head_dim) == (256, 768, 64, 32, 64)
+    assert (config.num_key_value_heads, config.head_dim, config.rotary_dim) == (1, 288, 32)
+    assert config.attention_scale == pytest.approx(96 ** -0.5) and not config.rope_interleave
+    assert config.embedding_multiplier == 12.0 and config.logits_scaling == 10.0
+    assert config.residual_multiplier == pytest.approx(1.4 / 62 ** 0.5)
+    assert config.rope_scaling["rope_type"] == "longrope" and config.max_context_len == 32768
+    assert config.num_experts == 0 and config.tie_word_embeddings  # (transformers' default where unstated)
+    # (DeepSeek's MLA keeps its own defaults and its rotary values in pairs.)
+    deepseek = ModelConfig.from_dict({**released, "architectures": ["DeepseekV2ForCausalLM"], "rope_scaling": None,
+                                      "v_head_dim": None})
+    assert deepseek.rope_interleave and deepseek.v_head_dim == 128 and deepseek.embedding_multiplier == 1.0
 
 
 def test_dbrx_config_as_released():

@@ -55,6 +55,7 @@ from transformers import (
     LlamaConfig,
     Mamba2Config,
     MambaConfig,
+    MiniCPM3Config,
     MiniMaxM2Config,
     Ministral3Config,
     MinistralConfig,
@@ -505,6 +506,14 @@ def make_config(kind: str = "llama", **overrides):
                                    "topk_group": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
                                    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw,
                                    "num_key_value_heads": kw["num_attention_heads"]})  # (MLA: as many)
+    # MiniCPM3: MLA (a 32-value latent, 16 + 8 query/key values a head, 16 value values, queries through a
+    # 32-value bottleneck; rotary values in halves), dense MLPs, MiniCPM's scalings (scale_emb 12,
+    # scale_depth 1.4 over two layers, logits over 64 / 16).
+    if kind == "minicpm3":
+        return MiniCPM3Config(**{"q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+                                 "v_head_dim": 16, "scale_emb": 12, "scale_depth": 1.4, "dim_model_base": 16,
+                                 "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw,
+                                 "num_key_value_heads": kw["num_attention_heads"]})
     # DeepSeek-V2(-Lite): MLA with a plain query projection, softmax routing over 8 experts (2 per
     # token, not renormalised), two shared experts.
     if kind == "deepseek_v2":
