@@ -82,7 +82,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "ApertusForCausalLM", "PhimoeForCausalLM", "BloomForCausalLM", "MptForCausalLM",
                            "MPTForCausalLM", "FlexOlmoForCausalLM", "MinistralForCausalLM", "CwmForCausalLM",
                            "PersimmonForCausalLM", "HunYuanDenseV1ForCausalLM", "DbrxForCausalLM",
-                           "VaultGemmaForCausalLM", "HunYuanMoEV1ForCausalLM", "MiniCPM3ForCausalLM")
+                           "VaultGemmaForCausalLM", "HunYuanMoEV1ForCausalLM", "MiniCPM3ForCausalLM",
+                           "MiniCPM5MoeForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -125,8 +126,13 @@ _HUNYUAN_DEFAULTS = {"vocab_size": 290943, "hidden_size": 4096, "intermediate_si
 # q_lora_rank's means a plain query projection, scale_depth's and dim_model_base's no scaling).
 MINICPM3_DEFAULTS = {"rms_norm_eps": 1e-5, "max_position_embeddings": 32768, "tie_word_embeddings": True,
                      "intermediate_size": 6400}
+# Another spelling of an architecture's name in released configs, read as transformers reads it.
+ARCHITECTURE_SPELLINGS = {"MiniCPM5MoEForCausalLM": "MiniCPM5MoeForCausalLM"}
 # transformers' defaults for the keys a config of these Llama-like families may leave out.
 LLAMA_LIKE_DEFAULTS = {
+    "MiniCPM5MoeForCausalLM": {"vocab_size": 130560, "hidden_size": 2048, "intermediate_size": 8192,
+                               "num_hidden_layers": 28, "num_attention_heads": 32, "num_key_value_heads": 2,
+                               "head_dim": 128, "max_position_embeddings": 524288, "rms_norm_eps": 1e-6},
     "GlmForCausalLM": _GLM_DEFAULTS,
     "Glm4ForCausalLM": _GLM_DEFAULTS,
     "SeedOssForCausalLM": {"head_dim": 128, "rms_norm_eps": 1e-6, "max_position_embeddings": 524288,
@@ -339,7 +345,8 @@ def _rope_from_dict(arch: str, cfg: dict[str, Any]) -> tuple[float, dict[str, An
     default_theta = {"Gemma3ForCausalLM": 1_000_000.0, "SmolLM3ForCausalLM": 2_000_000.0,
                      "Olmo3ForCausalLM": 500_000.0, "CohereForCausalLM": 500_000.0, "HeliumForCausalLM": 100_000.0,
                      "Ernie4_5ForCausalLM": 500_000.0, "Ernie4_5_MoeForCausalLM": 500_000.0,
-                     "FlexOlmoForCausalLM": 500_000.0, "CwmForCausalLM": 1_000_000.0}.get(arch, 10000.0)
+                     "FlexOlmoForCausalLM": 500_000.0, "CwmForCausalLM": 1_000_000.0,
+                     "MiniCPM5MoeForCausalLM": 5_000_000.0}.get(arch, 10000.0)
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params:
         params = params["full_attention"]
@@ -1686,11 +1693,13 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
                     moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True, moe_bias=True,
                     moe_activation="swigluoai", swiglu_alpha=float(cfg.get("swiglu_alpha") or 1.702),
                     swiglu_limit=float(cfg.get("swiglu_limit") or 7.0))
-    if arch in ("Glm4MoeForCausalLM", *DEEPSEEK_ARCHITECTURES, "Dots1ForCausalLM"):
+    if arch in ("Glm4MoeForCausalLM", *DEEPSEEK_ARCHITECTURES, "Dots1ForCausalLM", "MiniCPM5MoeForCausalLM"):
         # Routed experts from layer first_k_dense_replace on (dense MLPs of intermediate_size below;
-        # DeepSeek's every moe_layer_freq-th layer), beside n_shared_experts shared ones. GLM-4.5,
-        # DeepSeek-V3 (topk_method noaux_tc) and dots.llm1: sigmoid scores chosen through the correction
-        # bias; DeepSeek-V2: the softmax, within the best groups under group_limited_greedy.
+        # DeepSeek's every moe_layer_freq-th layer; MiniCPM5-MoE's where mlp_layer_types says
+        # "sparse"), beside n_shared_experts shared ones. GLM-4.5, DeepSeek-V3 (topk_method noaux_tc),
+        # dots.llm1 and MiniCPM5-MoE: sigmoid scores chosen through the correction
+        # bias; DeepSeek-V2: the softmax, within the best groups under group_limited_greedy. (Their
+        # routers in fp32: SparseMoeBlock's grouped top k.)
         v2 = arch == "DeepseekV2ForCausalLM"
         if arch == "Dots1ForCausalLM":  # (transformers' Dots1Config leaves these unset: a config states them)
             aliases = {"n_routed_experts": "num_local_experts"}
@@ -1699,7 +1708,8 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
             if unset:
                 raise ValueError(f"a Dots1ForCausalLM config must state {', '.join(unset)}")
         defaults = {"Glm4MoeForCausalLM": (128, 1408, 8, 1, 1.0), "DeepseekV2ForCausalLM": (64, 1407, 6, 0, 1.0),
-                    "DeepseekV3ForCausalLM": (256, 2048, 8, 3, 2.5), "Dots1ForCausalLM": (0, 1408, 0, 0, 1.0)}[arch]
+                    "DeepseekV3ForCausalLM": (256, 2048, 8, 3, 2.5), "Dots1ForCausalLM": (0, 1408, 0, 0, 1.0),
+                    "MiniCPM5MoeForCausalLM": (160, 512, 16, 1, 3.66)}[arch]
         num_experts = read("n_routed_experts", defaults[0], "num_local_experts")
         width = read("moe_intermediate_size", defaults[1])
         grouped = 8 if arch == "DeepseekV3ForCausalLM" else 1  # (transformers' defaults: V3's 8 groups, 4 kept)
@@ -1719,6 +1729,13 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
         # (Its multi-token-prediction layers follow the decoder's, numbered on: speculative decoding's
         # mtp drafter builds the first, routed as the layer of its number would be.)
         num_mtp = 0 if v2 else int(cfg.get("num_nextn_predict_layers") or 0)
+        moe_layers = tuple(i >= first_moe and i % every == 0 for i in range(num_layers + num_mtp))
+        if arch == "MiniCPM5MoeForCausalLM" and isinstance(cfg.get("mlp_layer_types"), list):
+            kinds = cfg["mlp_layer_types"]
+            if len(kinds) != num_layers or not set(kinds) <= {"dense", "sparse"}:
+                raise ValueError(f"mlp_layer_types must name 'dense' or 'sparse' for each of the {num_layers} "
+                                 f"layers, got {kinds}")
+            moe_layers = tuple(kind == "sparse" for kind in kinds)
         return dict(num_mtp_layers=num_mtp, num_experts=num_experts, num_experts_per_tok=top_k,
                     moe_intermediate_size=width,
                     norm_topk_prob=bool(cfg.get("norm_topk_prob", not v2 and arch != "Dots1ForCausalLM")),
@@ -1726,7 +1743,7 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
                     shared_expert_gated=False, moe_grouped_topk=True, moe_scoring="softmax" if v2 else "sigmoid",
                     moe_correction_bias=not v2, moe_num_groups=groups, moe_topk_groups=kept,
                     routed_scaling_factor=float(cfg.get("routed_scaling_factor", defaults[4])),
-                    moe_layers=tuple(i >= first_moe and i % every == 0 for i in range(num_layers + num_mtp)))
+                    moe_layers=moe_layers)
     if arch == "Llama4ForCausalLM":
         # Llama 4's: routed experts (moe_intermediate_size wide) in the moe_layers, the top k by logit
         # weighted by their sigmoid (on the experts' inputs: Llama4MoE), beside a shared expert as wide.
@@ -2167,7 +2184,7 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         if not archs:
             raise ValueError("config has no 'architectures' entry: cannot pick a model class")
-        arch = archs[0]
+        arch = ARCHITECTURE_SPELLINGS.get(archs[0], archs[0])
         if arch in ENCODER_ARCHITECTURES:
             return cls._encoder(arch, cfg)
         if cfg.get("classifier_from_token") is not None and arch not in CLASSIFIER_DECODER_OF:
@@ -2312,6 +2329,9 @@ class ModelConfig:
         if arch in HUNYUAN_ARCHITECTURES and cfg.get("use_cla"):
             raise ValueError(f"{arch} with use_cla (keys and values shared across layers) is not "
                              "served")
+        if arch == "MiniCPM5MoeForCausalLM" and cfg.get("use_gated_attention") is False:
+            raise ValueError("MiniCPM5MoeForCausalLM without its gated attention (use_gated_attention false) is "
+                             "not served, as transformers refuses it")
         if arch == "MiniMaxM2ForCausalLM":
             cfg = {**MINIMAX_M2_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
         if arch == "GptOssForCausalLM":

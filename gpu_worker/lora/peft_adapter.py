@@ -132,7 +132,7 @@ def load_peft_adapter(path: str | Path, max_lora_rank: int,
         if ours is None:  # (before the checks below: a vision tower's projections have other names)
             skipped.append(module)
             continue
-        if module.rsplit(".", 1)[-1] not in ADAPTER_MODULE_NAMES:
+        if ours.rsplit(".", 1)[-1] not in ADAPTER_MODULE_NAMES:  # (as the model names it: MiniCPM5's q_gate_proj)
             raise _refuse(path, f"module {module!r} is not one of {', '.join(ADAPTER_MODULE_NAMES)}")
         if set(ab) != {"A", "B"}:
             raise _refuse(path, f"module {module!r} has lora_{'A' if 'A' in ab else 'B'} without its pair")

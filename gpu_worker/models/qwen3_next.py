@@ -31,7 +31,10 @@ from gpu_worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMo
 class Qwen3NextAttention(nn.Module):
     """Gated attention: per head, q_proj's queries then its output gate; (1 + w) q/k norms; partial RoPE.
     q_proj's rows are fused with k's and v's as twice the heads (each head's queries and gate rows
-    stay together on its rank; KV heads replicated where there are fewer than ranks)."""
+    stay together on its rank; KV heads replicated where there are fewer than ranks). A subclass
+    without ``qk_normed`` has no q/k norms (MiniCPM5-MoE's)."""
+
+    qk_normed = True
 
     def __init__(self, config: ModelConfig, layer: int = 0, norm_class: type[RMSNorm] = GemmaRMSNorm) -> None:
         super().__init__()
@@ -42,8 +45,8 @@ class Qwen3NextAttention(nn.Module):
                                           config.num_key_value_heads, bias=config.qkv_bias)
         self.num_heads, self.num_kv_heads = heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(config.num_attention_heads * hd, config.hidden_size, bias=config.o_proj_bias)
-        self.q_norm = norm_class(hd, config.rms_norm_eps)
-        self.k_norm = norm_class(hd, config.rms_norm_eps)
+        self.q_norm = norm_class(hd, config.rms_norm_eps) if self.qk_normed else None
+        self.k_norm = norm_class(hd, config.rms_norm_eps) if self.qk_normed else None
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, hd, config.attention_scale)
 
     def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -51,8 +54,9 @@ class Qwen3NextAttention(nn.Module):
         q_size, kv_size = 2 * self.num_heads * hd, self.num_kv_heads * hd
         qg, k, v = self.qkv_proj.forward(hidden).split([q_size, kv_size, kv_size], dim=-1)
         q, gate = qg.view(tokens, self.num_heads, 2 * hd).split(hd, dim=-1)
-        q = self.q_norm.forward(q.contiguous())
-        k = self.k_norm.forward(k.reshape(tokens, self.num_kv_heads, hd))
+        k = k.reshape(tokens, self.num_kv_heads, hd)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm.forward(q.contiguous()), self.k_norm.forward(k)
         qk = RotaryEmbedding.rotate_(torch.cat((q, k), dim=1), rope[0], rope[1])
         v = v.reshape(tokens, self.num_kv_heads, hd)
         out = self.attn.forward(qk[:, :self.num_heads], qk[:, self.num_heads:], v, meta)

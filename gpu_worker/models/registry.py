@@ -61,6 +61,7 @@ from gpu_worker.models.llama import (
 )
 from gpu_worker.models.llama4 import Llama4ForCausalLM
 from gpu_worker.models.llava import llava_class
+from gpu_worker.models.minicpm5_moe import MiniCPM5MoeForCausalLM
 from gpu_worker.models.minimax_m2 import MiniMaxM2ForCausalLM
 from gpu_worker.models.modernbert import ModernBertModel
 from gpu_worker.models.mpt import MPTForCausalLM, MptForCausalLM
@@ -171,6 +172,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
+    "MiniCPM5MoeForCausalLM": MiniCPM5MoeForCausalLM,
     "BertModel": BertModel,
     "RobertaModel": RobertaModel,
     "ModernBertModel": ModernBertModel,

@@ -373,8 +373,10 @@ def test_an_adapter_on_glm4_gives_pefts_tokens(tmp_path):
      {"new_decoder_architecture": True, "num_kv_heads": 2}),
     ("bloom", ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"), {}),
     ("mpt", ("Wqkv", "out_proj", "up_proj", "down_proj"), {}),
+    ("minicpm5_moe", ("q_gate_proj", "k_proj", "o_proj", "gate_proj", "down_proj"), {}),
+    ("minicpm3", ("q_proj", "o_proj", "down_proj"), {"q_lora_rank": None}),
 ], ids=["arcee", "starcoder2", "llama4", "phi", "gpt_neox", "gpt2", "gpt_bigcode_multi_head", "gptj", "opt",
-        "falcon_40b_style", "bloom", "mpt"])
+        "falcon_40b_style", "bloom", "mpt", "minicpm5_moe", "minicpm3"])
 def test_adapters_on_ungated_mlps_and_renamed_projections_give_pefts_tokens(tmp_path, kind, targets, overrides):
     """Arcee's, StarCoder2's, Phi's, GPT-NeoX's, the GPT family's and OPT's ungated MLPs (their
     projections looked up where LoRA wraps them), projections of other names (Llama 4's feed_forward:
@@ -383,7 +385,9 @@ def test_adapters_on_ungated_mlps_and_renamed_projections_give_pefts_tokens(tmp_
     their own layouts (GPT-NeoX's and BLOOM's query_key_value and a multi-head GPTBigCode's c_attn,
     each head's q, k and v together; Falcon-40B's, grouped by KV head; GPT-2's Conv1D c_attn, MPT's
     Wqkv: B's rows reordered as our qkv_proj's), q and k rows
-    reordered from RoPE's pairs (Llama 4, GPT-J): each adapter gives PEFT's tokens."""
+    reordered from RoPE's pairs (Llama 4, GPT-J), MiniCPM5-MoE's q_gate_proj (transformers' name of
+    its queries-and-gates projection: our q_proj), MiniCPM3's plain query projection (its rotary rows
+    in halves already, B's as they are): each adapter gives PEFT's tokens."""
     base = save_tiny_model(tmp_path / "base", kind, vocab_size=251, **overrides)
     save_adapter(base, tmp_path / "a", seed=9, targets=targets)
     adapters, prompts, expected = _adapter_a_expectations(base, tmp_path, adapter_seed=9, prompt_seed=19,

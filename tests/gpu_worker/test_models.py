@@ -97,6 +97,12 @@ CASES = {
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}}),
     "deepseek_v2_lite": ("deepseek_v2", {}),
+    # MiniCPM5-MoE: gated attention without q/k norms, DeepSeek-V3's experts beside a shared one after a
+    # dense first layer; MQA, two groups (one kept), not renormalised, the layers' kinds as listed.
+    "minicpm5_moe": ("minicpm5_moe", {}),
+    "minicpm5_moe_groups_mqa_listed_layers": ("minicpm5_moe", {
+        "num_key_value_heads": 1, "n_group": 2, "topk_group": 1, "norm_topk_prob": False, "num_hidden_layers": 3,
+        "mlp_layer_types": ["sparse", "dense", "sparse"]}),
     # MiniCPM3: MLA with rotary values in halves, dense MLPs, MiniCPM's scalings of the embeddings,
     # residual adds and logits; with a plain query projection, biases and an untied head; the scalings
     # left null (none); LongRoPE past a pretrained 16 positions.
@@ -1316,6 +1322,31 @@ def test_minicpm3_config_as_released():
     deepseek = ModelConfig.from_dict({**released, "architectures": ["DeepseekV2ForCausalLM"], "rope_scaling": None,
                                       "v_head_dim": None})
     assert deepseek.rope_interleave and deepseek.v_head_dim == 128 and deepseek.embedding_multiplier == 1.0
+
+
+def test_minicpm5_moe_config_as_released():
+    """MiniCPM5-15B-A2.5B's config as transformers' MiniCPM5MoeConfig defaults describe it, under its
+    older spelling and first_k_dense_replace: 160 experts of 512, 16 a token, renormalised, times 3.66,
+    one shared expert, the first layer dense; 32 heads of 128 over 2 KV heads, RoPE base 5,000,000;
+    mlp_layer_types read where given; the attention without its gate refused."""
+    released = {"architectures": ["MiniCPM5MoEForCausalLM"], "first_k_dense_replace": 1}
+    config = ModelConfig.from_dict(released)
+    assert config.architecture == "MiniCPM5MoeForCausalLM"
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (160, 16, 512)
+    assert config.norm_topk_prob and config.routed_scaling_factor == pytest.approx(3.66)
+    assert config.shared_expert_intermediate_size == 512 and not config.shared_expert_gated
+    assert config.moe_scoring == "sigmoid" and config.moe_correction_bias and config.moe_num_groups == 1
+    assert [config.layer_is_moe(i) for i in range(3)] == [False, True, True] and config.num_hidden_layers == 28
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (32, 2, 128)
+    assert config.rope_theta == 5_000_000.0 and config.rope_scaling is None and not config.qk_norm
+    assert config.max_context_len == 524288 and not config.tie_word_embeddings
+    listed = ModelConfig.from_dict({**released, "num_hidden_layers": 3,
+                                    "mlp_layer_types": ["sparse", "dense", "sparse"]})
+    assert [listed.layer_is_moe(i) for i in range(3)] == [True, False, True]
+    with pytest.raises(ValueError, match="mlp_layer_types"):
+        ModelConfig.from_dict({**released, "num_hidden_layers": 2, "mlp_layer_types": ["dense", "moe"]})
+    with pytest.raises(ValueError, match="use_gated_attention"):
+        ModelConfig.from_dict({**released, "use_gated_attention": False})
 
 
 def test_dbrx_config_as_released():

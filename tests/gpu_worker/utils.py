@@ -56,6 +56,7 @@ from transformers import (
     Mamba2Config,
     MambaConfig,
     MiniCPM3Config,
+    MiniCPM5MoeConfig,
     MiniMaxM2Config,
     Ministral3Config,
     MinistralConfig,
@@ -514,6 +515,13 @@ def make_config(kind: str = "llama", **overrides):
                                  "v_head_dim": 16, "scale_emb": 12, "scale_depth": 1.4, "dim_model_base": 16,
                                  "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw,
                                  "num_key_value_heads": kw["num_attention_heads"]})
+    # MiniCPM5-MoE: gated attention (each head's queries then its output gate), 8 experts of 32 chosen by
+    # sigmoid scores through the correction bias (2 a token, renormalised, times 3.66) beside a shared
+    # one, the first layer dense.
+    if kind == "minicpm5_moe":
+        return MiniCPM5MoeConfig(**{"head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2,
+                                    "moe_intermediate_size": 32, "pad_token_id": 0, "bos_token_id": 1,
+                                    "eos_token_id": 2, **kw})
     # DeepSeek-V2(-Lite): MLA with a plain query projection, softmax routing over 8 experts (2 per
     # token, not renormalised), two shared experts.
     if kind == "deepseek_v2":
