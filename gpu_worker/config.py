@@ -83,7 +83,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "MPTForCausalLM", "FlexOlmoForCausalLM", "MinistralForCausalLM", "CwmForCausalLM",
                            "PersimmonForCausalLM", "HunYuanDenseV1ForCausalLM", "DbrxForCausalLM",
                            "VaultGemmaForCausalLM", "HunYuanMoEV1ForCausalLM", "MiniCPM3ForCausalLM",
-                           "MiniCPM5MoeForCausalLM")
+                           "MiniCPM5MoeForCausalLM", "MiniCPMForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -1634,17 +1634,38 @@ def _mla_fields(arch: str, cfg: dict[str, Any], scaling: dict[str, Any] | None) 
                 attention_multiplier=scale)
 
 
+def _minicpm_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """MiniCPM's (MiniCPM-1B / 2B, MiniCPM-MoE-8x2B, MiniCPM4: its remote code's) config, with that
+    code's defaults (tied embeddings, RMSNorm epsilon 1e-6). Heads of hidden_size / heads values
+    (a kv_channels of another width refused, as is a config turning its scalings off with use_mup);
+    MiniCPM4's sparse_config (InfLLM v2 attention past dense_len keys) is not followed: every
+    context attends densely, as vLLM serves it (logged)."""
+    heads, hidden = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
+    if cfg.get("kv_channels") and int(cfg["kv_channels"]) != hidden // heads:
+        raise ValueError(f"MiniCPMForCausalLM with kv_channels {cfg['kv_channels']} (heads of another width than "
+                         f"hidden_size / num_attention_heads = {hidden // heads}) is not served")
+    if cfg.get("use_mup") is False:
+        raise ValueError("MiniCPMForCausalLM with use_mup false (its scalings off) is not served")
+    if isinstance(cfg.get("sparse_config"), dict):
+        logger.warning("MiniCPM's sparse_config is not followed: contexts past its dense_len (%s) attend to every "
+                       "key here, where MiniCPM's own code attends sparsely (InfLLM v2), as vLLM serves it",
+                       cfg["sparse_config"].get("dense_len"))
+    return {"tie_word_embeddings": True, "rms_norm_eps": 1e-6, **{k: v for k, v in cfg.items() if v is not None},
+            "head_dim": hidden // heads}
+
+
 def _minicpm_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """MiniCPM's muP-style scalings, as Granite's multipliers: the embeddings times scale_emb, each
     sublayer's output times scale_depth / sqrt(num_hidden_layers) before its residual add, the final
     hidden states over hidden_size / dim_model_base (transformers' MiniCPM3Config defaults: 12, 1.4 and
-    256; a null scale_depth or dim_model_base scales by one)."""
-    if arch != "MiniCPM3ForCausalLM":
+    256, a null scale_depth or dim_model_base scaling by one; MiniCPM's own configuration's: 1 each)."""
+    if arch not in ("MiniCPM3ForCausalLM", "MiniCPMForCausalLM"):
         return {}
     layers, hidden = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"])
-    depth = cfg.get("scale_depth", 1.4)
-    base = cfg.get("dim_model_base", 256)
-    return {"embedding_multiplier": float(cfg.get("scale_emb", 12)),
+    v3 = arch == "MiniCPM3ForCausalLM"
+    depth = cfg.get("scale_depth", 1.4 if v3 else 1.0)
+    base = cfg.get("dim_model_base", 256 if v3 else 1)
+    return {"embedding_multiplier": float(cfg.get("scale_emb", 12 if v3 else 1)),
             "residual_multiplier": 1.0 if depth is None else float(depth) / math.sqrt(layers),
             "logits_scaling": 1.0 if base is None else hidden / float(base)}
 
@@ -1680,6 +1701,13 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
                 return int(cfg[name])
         return default
 
+    if arch == "MiniCPMForCausalLM":
+        # MiniCPM-MoE-8x2B: Mixtral's experts (intermediate_size wide, w1 / w3 / w2) in every layer, the
+        # softmax's top k renormalised; none where num_experts is 0 or unset (MiniCPM's dense models).
+        if not cfg.get("num_experts"):
+            return {}
+        return dict(num_experts=read("num_experts", 0), num_experts_per_tok=read("num_experts_per_tok", 2),
+                    moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True)
     if arch == "MixtralForCausalLM":
         # Every layer routed; the experts' width is intermediate_size; weights always renormalised.
         return dict(num_experts=read("num_local_experts", 8, "num_experts"),
@@ -2305,6 +2333,8 @@ class ModelConfig:
             cfg = _dbrx_config(cfg)
         if arch == "MiniCPM3ForCausalLM":
             cfg = {**MINICPM3_DEFAULTS, **cfg}
+        if arch == "MiniCPMForCausalLM":
+            cfg = _minicpm_config(cfg)
         if arch in LLAMA_LIKE_DEFAULTS:
             cfg = {**LLAMA_LIKE_DEFAULTS[arch], **{k: v for k, v in cfg.items() if v is not None}}
         if arch == "ApertusForCausalLM" and not cfg.get("rope_parameters") and not cfg.get("rope_scaling"):

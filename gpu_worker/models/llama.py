@@ -596,6 +596,12 @@ class GraniteForCausalLM(LlamaForCausalLM):
     attention multipliers and logits scaling)."""
 
 
+class MiniCPMForCausalLM(LlamaForCausalLM):
+    """OpenBMB's MiniCPM (MiniCPM-1B / 2B, MiniCPM4, and MiniCPM-MoE-8x2B's Mixtral experts, named
+    ``mlp.experts.N.w1 / w3 / w2`` beside ``mlp.gate``): the Llama block with MiniCPM's scalings of
+    the embeddings, residual adds and logits (ModelConfig's Granite multipliers)."""
+
+
 class GraniteMoeForCausalLM(GraniteForCausalLM):
     """IBM Granite 3.x MoE (granite-3.1-1b-a400m, -3b-a800m): Granite with routed experts in every
     layer, each layer's experts stored whole (``block_sparse_moe.input_linear``: every expert's gate
