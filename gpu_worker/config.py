@@ -83,7 +83,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "MPTForCausalLM", "FlexOlmoForCausalLM", "MinistralForCausalLM", "CwmForCausalLM",
                            "PersimmonForCausalLM", "HunYuanDenseV1ForCausalLM", "DbrxForCausalLM",
                            "VaultGemmaForCausalLM", "HunYuanMoEV1ForCausalLM", "MiniCPM3ForCausalLM",
-                           "MiniCPM5MoeForCausalLM", "MiniCPMForCausalLM")
+                           "MiniCPM5MoeForCausalLM", "MiniCPMForCausalLM",
+                           "Glm4MoeLiteForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -102,8 +103,13 @@ QWEN3_NEXT_FAMILY = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeFo
 GRANITE_MOE_ARCHITECTURES = ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM")
 # Multi-head latent attention (MLA): DeepSeek-V2 / V3 (and Kimi K2, DeepSeek-R1: V3's architecture).
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
-# MLA's models: DeepSeek's, and MiniCPM3 (MLA with RoPE in halves, dense MLPs, muP-style scalings).
-MLA_ARCHITECTURES = (*DEEPSEEK_ARCHITECTURES, "MiniCPM3ForCausalLM")
+# MLA's models: DeepSeek's, MiniCPM3 (MLA with RoPE in halves, dense MLPs, muP-style scalings) and
+# GLM-4.7-Flash (Glm4MoeLiteForCausalLM: DeepSeek-V3's attention with GLM-4.5's experts).
+MLA_ARCHITECTURES = (*DEEPSEEK_ARCHITECTURES, "MiniCPM3ForCausalLM", "Glm4MoeLiteForCausalLM")
+# transformers' defaults of each: (qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank, q_lora_rank,
+# v_head_dim; None: hidden_size / num_attention_heads).
+_MLA_DEFAULTS = {"DeepseekV2ForCausalLM": (128, 64, 512, 1536, 128), "DeepseekV3ForCausalLM": (128, 64, 512, 1536, 128),
+                 "MiniCPM3ForCausalLM": (64, 32, 256, 768, None), "Glm4MoeLiteForCausalLM": (192, 64, 512, 768, 256)}
 # transformers' GptOssConfig defaults for the keys a GPT-OSS config may leave out (gpt-oss-20b's and
 # -120b's configs state them, but for swiglu_alpha; the experts' are _moe_from_dict's).
 GPT_OSS_DEFAULTS = {"head_dim": 64, "sliding_window": 128, "attention_bias": True, "rms_norm_eps": 1e-5,
@@ -126,6 +132,11 @@ _HUNYUAN_DEFAULTS = {"vocab_size": 290943, "hidden_size": 4096, "intermediate_si
 # q_lora_rank's means a plain query projection, scale_depth's and dim_model_base's no scaling).
 MINICPM3_DEFAULTS = {"rms_norm_eps": 1e-5, "max_position_embeddings": 32768, "tie_word_embeddings": True,
                      "intermediate_size": 6400}
+# transformers' Glm4MoeLiteConfig defaults (GLM-4.7-Flash's), a null in a config kept (q_lora_rank's:
+# a plain query projection); its experts' and latent attention's are _moe_from_dict's and _mla_fields'.
+GLM4_MOE_LITE_DEFAULTS = {"vocab_size": 154880, "hidden_size": 2048, "intermediate_size": 10240,
+                          "num_hidden_layers": 47, "num_attention_heads": 20, "rms_norm_eps": 1e-5,
+                          "max_position_embeddings": 202752}
 # Another spelling of an architecture's name in released configs, read as transformers reads it.
 ARCHITECTURE_SPELLINGS = {"MiniCPM5MoEForCausalLM": "MiniCPM5MoeForCausalLM"}
 # transformers' defaults for the keys a config of these Llama-like families may leave out.
@@ -1617,20 +1628,21 @@ def _mla_fields(arch: str, cfg: dict[str, Any], scaling: dict[str, Any] | None) 
     where unset), its rotary values in halves as Llama's."""
     if arch not in MLA_ARCHITECTURES:
         return {}
-    minicpm3 = arch == "MiniCPM3ForCausalLM"
-    nope = int(cfg.get("qk_nope_head_dim") or (64 if minicpm3 else 128))
-    rope = int(cfg.get("qk_rope_head_dim") or (32 if minicpm3 else 64))
+    nope_default, rope_default, kv_lora_default, q_lora_default, v_default = _MLA_DEFAULTS[arch]
+    nope = int(cfg.get("qk_nope_head_dim") or nope_default)
+    rope = int(cfg.get("qk_rope_head_dim") or rope_default)
     if rope % 2:
         raise ValueError(f"qk_rope_head_dim must be even, got {rope}")
     scale = (nope + rope) ** -0.5
     if scaling is not None and scaling.get("mscale_all_dim"):
         scale *= yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"])) ** 2
-    # (transformers' defaults; DeepSeek-V2-Lite's config says null: a plain query projection)
-    q_lora = cfg.get("q_lora_rank", 768 if minicpm3 else 1536)
-    v_dim = cfg.get("v_head_dim") or (int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]) if minicpm3 else 128)
-    return dict(kv_lora_rank=int(cfg.get("kv_lora_rank") or (256 if minicpm3 else 512)),
+    # (DeepSeek-V2-Lite's config says null: a plain query projection)
+    q_lora = cfg.get("q_lora_rank", q_lora_default)
+    v_dim = cfg.get("v_head_dim") or v_default or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
+    return dict(kv_lora_rank=int(cfg.get("kv_lora_rank") or kv_lora_default),
                 q_lora_rank=int(q_lora) if q_lora else 0, qk_nope_head_dim=nope, qk_rope_head_dim=rope,
-                v_head_dim=int(v_dim), rope_interleave=not minicpm3 and bool(cfg.get("rope_interleave", True)),
+                v_head_dim=int(v_dim),
+                rope_interleave=arch != "MiniCPM3ForCausalLM" and bool(cfg.get("rope_interleave", True)),
                 attention_multiplier=scale)
 
 
@@ -1721,11 +1733,12 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
                     moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True, moe_bias=True,
                     moe_activation="swigluoai", swiglu_alpha=float(cfg.get("swiglu_alpha") or 1.702),
                     swiglu_limit=float(cfg.get("swiglu_limit") or 7.0))
-    if arch in ("Glm4MoeForCausalLM", *DEEPSEEK_ARCHITECTURES, "Dots1ForCausalLM", "MiniCPM5MoeForCausalLM"):
+    if arch in ("Glm4MoeForCausalLM", *DEEPSEEK_ARCHITECTURES, "Dots1ForCausalLM", "MiniCPM5MoeForCausalLM",
+                "Glm4MoeLiteForCausalLM"):
         # Routed experts from layer first_k_dense_replace on (dense MLPs of intermediate_size below;
-        # DeepSeek's every moe_layer_freq-th layer; MiniCPM5-MoE's where mlp_layer_types says
-        # "sparse"), beside n_shared_experts shared ones. GLM-4.5, DeepSeek-V3 (topk_method noaux_tc),
-        # dots.llm1 and MiniCPM5-MoE: sigmoid scores chosen through the correction
+        # DeepSeek's every moe_layer_freq-th layer; MiniCPM5-MoE's and GLM-4.7-Flash's where
+        # mlp_layer_types says "sparse"), beside n_shared_experts shared ones. GLM-4.5 and 4.7-Flash,
+        # DeepSeek-V3 (topk_method noaux_tc), dots.llm1 and MiniCPM5-MoE: sigmoid scores chosen through the correction
         # bias; DeepSeek-V2: the softmax, within the best groups under group_limited_greedy. (Their
         # routers in fp32: SparseMoeBlock's grouped top k.)
         v2 = arch == "DeepseekV2ForCausalLM"
@@ -1737,14 +1750,16 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
                 raise ValueError(f"a Dots1ForCausalLM config must state {', '.join(unset)}")
         defaults = {"Glm4MoeForCausalLM": (128, 1408, 8, 1, 1.0), "DeepseekV2ForCausalLM": (64, 1407, 6, 0, 1.0),
                     "DeepseekV3ForCausalLM": (256, 2048, 8, 3, 2.5), "Dots1ForCausalLM": (0, 1408, 0, 0, 1.0),
-                    "MiniCPM5MoeForCausalLM": (160, 512, 16, 1, 3.66)}[arch]
+                    "MiniCPM5MoeForCausalLM": (160, 512, 16, 1, 3.66),
+                    "Glm4MoeLiteForCausalLM": (64, 1536, 4, 1, 1.8)}[arch]
         num_experts = read("n_routed_experts", defaults[0], "num_local_experts")
         width = read("moe_intermediate_size", defaults[1])
         grouped = 8 if arch == "DeepseekV3ForCausalLM" else 1  # (transformers' defaults: V3's 8 groups, 4 kept)
         groups, kept = read("n_group", grouped) or 1, read("topk_group", grouped // 2 or 1) or 1
         if v2 and cfg.get("topk_method", "greedy") == "greedy":
             groups = kept = 1
-        elif not v2 and arch != "Glm4MoeForCausalLM" and cfg.get("topk_method", "noaux_tc") != "noaux_tc":
+        elif not v2 and arch not in ("Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM") \
+                and cfg.get("topk_method", "noaux_tc") != "noaux_tc":
             raise ValueError(f"topk_method must be 'noaux_tc' for {arch}, got {cfg.get('topk_method')!r}")
         if num_experts % groups or not 0 < kept <= groups:
             raise ValueError(f"n_group ({groups}) must divide n_routed_experts ({num_experts}), and topk_group "
@@ -1758,12 +1773,13 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
         # mtp drafter builds the first, routed as the layer of its number would be.)
         num_mtp = 0 if v2 else int(cfg.get("num_nextn_predict_layers") or 0)
         moe_layers = tuple(i >= first_moe and i % every == 0 for i in range(num_layers + num_mtp))
-        if arch == "MiniCPM5MoeForCausalLM" and isinstance(cfg.get("mlp_layer_types"), list):
+        if arch in ("MiniCPM5MoeForCausalLM", "Glm4MoeLiteForCausalLM") \
+                and isinstance(cfg.get("mlp_layer_types"), list):
             kinds = cfg["mlp_layer_types"]
             if len(kinds) != num_layers or not set(kinds) <= {"dense", "sparse"}:
                 raise ValueError(f"mlp_layer_types must name 'dense' or 'sparse' for each of the {num_layers} "
                                  f"layers, got {kinds}")
-            moe_layers = tuple(kind == "sparse" for kind in kinds)
+            moe_layers = tuple(kind == "sparse" for kind in kinds) + (True,) * num_mtp  # (MTP layers routed)
         return dict(num_mtp_layers=num_mtp, num_experts=num_experts, num_experts_per_tok=top_k,
                     moe_intermediate_size=width,
                     norm_topk_prob=bool(cfg.get("norm_topk_prob", not v2 and arch != "Dots1ForCausalLM")),
@@ -2333,6 +2349,8 @@ class ModelConfig:
             cfg = _dbrx_config(cfg)
         if arch == "MiniCPM3ForCausalLM":
             cfg = {**MINICPM3_DEFAULTS, **cfg}
+        if arch == "Glm4MoeLiteForCausalLM":
+            cfg = {**GLM4_MOE_LITE_DEFAULTS, **cfg}
         if arch == "MiniCPMForCausalLM":
             cfg = _minicpm_config(cfg)
         if arch in LLAMA_LIKE_DEFAULTS:

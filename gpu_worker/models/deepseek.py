@@ -152,6 +152,12 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     pass
 
 
+class Glm4MoeLiteForCausalLM(DeepseekV3ForCausalLM):
+    """GLM-4.7-Flash (Glm4MoeLiteForCausalLM): DeepSeek-V3's latent attention (rotary values in pairs)
+    with GLM-4.5's experts (sigmoid scores through the correction bias, one group) beside a shared one
+    in the layers mlp_layer_types calls sparse; its MTP layer drafts as DeepSeek-V3's."""
+
+
 class MiniCPM3ForCausalLM(DeepseekV2ForCausalLM):
     """MiniCPM3 (openbmb/MiniCPM3-4B): MLA with its rotary values in halves (no reordering), dense
     MLPs, and MiniCPM's scalings of the embeddings, residual adds and logits (ModelConfig's Granite

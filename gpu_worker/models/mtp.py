@@ -147,6 +147,7 @@ class DeepSeekMTPModel(MtpForCausalLM):
 # The architectures whose checkpoints may hold MTP layers -> their MTP drafter (named as vLLM's).
 MTP_DRAFTERS: dict[str, type[MtpForCausalLM]] = {
     "DeepseekV3ForCausalLM": DeepSeekMTPModel,
+    "Glm4MoeLiteForCausalLM": DeepSeekMTPModel,  # (GLM-4.7-Flash: latent attention, as DeepSeek-V3's)
     "Glm4MoeForCausalLM": Glm4MoeMTPModel,
 }
 
@@ -158,7 +159,8 @@ def mtp_config(target: ModelConfig) -> ModelConfig:
 
     name = target.architecture
     if name not in MTP_DRAFTERS or not target.num_mtp_layers:
-        families = "DeepSeek-V3 / R1 (DeepseekV3ForCausalLM), GLM-4.5 and later (Glm4MoeForCausalLM)"
+        families = ("DeepSeek-V3 / R1 (DeepseekV3ForCausalLM), GLM-4.5 and later (Glm4MoeForCausalLM), GLM-4.7-Flash "
+                    "(Glm4MoeLiteForCausalLM)")
         why = ("its config names no multi-token-prediction layer (num_nextn_predict_layers)"
                if name in MTP_DRAFTERS else "its architecture has none")
         raise ValueError(f"speculative method mtp drafts with the model's own multi-token-prediction layer, and "

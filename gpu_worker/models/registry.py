@@ -20,7 +20,12 @@ from gpu_worker.models.classic import (
 )
 from gpu_worker.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
 from gpu_worker.models.dbrx import DbrxForCausalLM
-from gpu_worker.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, MiniCPM3ForCausalLM
+from gpu_worker.models.deepseek import (
+    DeepseekV2ForCausalLM,
+    DeepseekV3ForCausalLM,
+    Glm4MoeLiteForCausalLM,
+    MiniCPM3ForCausalLM,
+)
 from gpu_worker.models.eagle import EAGLE_HEADS
 from gpu_worker.models.falcon import FalconForCausalLM
 from gpu_worker.models.falcon_h1 import FalconH1ForCausalLM
@@ -127,6 +132,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "MiniCPM3ForCausalLM": MiniCPM3ForCausalLM,
+    "Glm4MoeLiteForCausalLM": Glm4MoeLiteForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
     "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
     "GraniteMoeSharedForCausalLM": GraniteMoeSharedForCausalLM,

@@ -103,6 +103,12 @@ CASES = {
     "minicpm5_moe_groups_mqa_listed_layers": ("minicpm5_moe", {
         "num_key_value_heads": 1, "n_group": 2, "topk_group": 1, "norm_topk_prob": False, "num_hidden_layers": 3,
         "mlp_layer_types": ["sparse", "dense", "sparse"]}),
+    # GLM-4.7-Flash: DeepSeek-V3's MLA (rotary values in pairs) with GLM-4.5's experts after a dense first
+    # layer; a plain query projection, RoPE in halves, two groups (one kept), the layers' kinds as listed.
+    "glm4_moe_lite": ("glm4_moe_lite", {}),
+    "glm4_moe_lite_plain_query_halves_groups_listed": ("glm4_moe_lite", {
+        "q_lora_rank": None, "rope_interleave": False, "n_group": 2, "topk_group": 1, "num_hidden_layers": 3,
+        "mlp_layer_types": ["sparse", "dense", "sparse"]}),
     # MiniCPM3: MLA with rotary values in halves, dense MLPs, MiniCPM's scalings of the embeddings,
     # residual adds and logits; with a plain query projection, biases and an untied head; the scalings
     # left null (none); LongRoPE past a pretrained 16 positions.
@@ -1347,6 +1353,29 @@ def test_minicpm5_moe_config_as_released():
         ModelConfig.from_dict({**released, "num_hidden_layers": 2, "mlp_layer_types": ["dense", "moe"]})
     with pytest.raises(ValueError, match="use_gated_attention"):
         ModelConfig.from_dict({**released, "use_gated_attention": False})
+
+
+def test_glm4_moe_lite_config_as_released():
+    """GLM-4.7-Flash's config as transformers' Glm4MoeLiteConfig defaults describe it (47 layers, the
+    first dense, then 64 experts of 1536, 4 a token, renormalised, times 1.8, one group, a shared one;
+    MLA of a 512-value latent, 192 + 64 query/key values a head, 256 value values, queries through
+    768, rotary values in pairs), with its MTP layer: that layer routed as the others."""
+    released = {"architectures": ["Glm4MoeLiteForCausalLM"], "num_nextn_predict_layers": 1,
+                "rope_theta": 1000000.0}
+    config = ModelConfig.from_dict(released)
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (64, 4, 1536)
+    assert config.routed_scaling_factor == pytest.approx(1.8) and config.norm_topk_prob
+    assert config.moe_scoring == "sigmoid" and config.moe_correction_bias and config.moe_num_groups == 1
+    assert config.shared_expert_intermediate_size == 1536 and config.num_hidden_layers == 47
+    assert [config.layer_is_moe(i) for i in (0, 1, 46, 47)] == [False, True, True, True] and config.num_mtp_layers == 1
+    assert (config.kv_lora_rank, config.q_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim,
+            config.v_head_dim) == (512, 768, 192, 64, 256)
+    assert config.rope_interleave and config.attention_scale == pytest.approx(256 ** -0.5)
+    assert (config.num_key_value_heads, config.head_dim, config.rotary_dim) == (1, 576, 64)
+    assert config.max_context_len == 202752 and config.rope_theta == 1000000.0 and not config.tie_word_embeddings
+    listed = ModelConfig.from_dict({**released, "num_hidden_layers": 3, "mlp_layer_types": ["dense"] * 2 + ["sparse"]})
+    assert [listed.layer_is_moe(i) for i in range(4)] == [False, False, True, True]
+    assert ModelConfig.from_dict({**released, "q_lora_rank": None}).q_lora_rank == 0
 
 
 def test_dbrx_config_as_released():

@@ -52,7 +52,8 @@ class MtpReference:
         save_file(layer, tmp / "mtp_reference" / "model.safetensors", metadata={"format": "pt"})
         # (Its one layer routed, as the MTP layer of its number is.)
         (tmp / "mtp_reference" / "config.json").write_text(json.dumps(
-            {**config, "num_hidden_layers": 1, "first_k_dense_replace": 0, "num_nextn_predict_layers": 0}))
+            {**config, "num_hidden_layers": 1, "first_k_dense_replace": 0, "num_nextn_predict_layers": 0,
+             **({"mlp_layer_types": ["sparse"]} if "mlp_layer_types" in config else {})}))
         self.layer = load_hf(tmp / "mtp_reference")
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -91,7 +92,7 @@ def mtp_runner(path: Path, num_blocks: int, block_size: int, max_num_batched_tok
     return runner
 
 
-@pytest.mark.parametrize("kind", ["glm4_moe", "deepseek_v3"])
+@pytest.mark.parametrize("kind", ["glm4_moe", "deepseek_v3", "glm4_moe_lite"])
 def test_every_mtp_draft_is_the_references_through_chunks_and_rejections(kind, tmp_path):
     path = save_tiny_model_with_mtp(tmp_path / "model", kind, near_bigram=0.02)
     check_every_draft(mtp_runner(path, 96, 4, 24), MtpReference(path, tmp_path), K)

@@ -36,6 +36,7 @@ from transformers import (
     GemmaConfig,
     Glm4Config,
     Glm4MoeConfig,
+    Glm4MoeLiteConfig,
     GlmConfig,
     GPT2Config,
     GPTBigCodeConfig,
@@ -507,6 +508,14 @@ def make_config(kind: str = "llama", **overrides):
                                    "topk_group": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
                                    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw,
                                    "num_key_value_heads": kw["num_attention_heads"]})  # (MLA: as many)
+    # GLM-4.7-Flash: DeepSeek-V3's MLA (as deepseek_v3's, rotary values in pairs) with GLM-4.5's experts:
+    # 8 in one group, 2 a token, renormalised, times 1.8, a shared one, the first layer dense.
+    if kind == "glm4_moe_lite":
+        return Glm4MoeLiteConfig(**{"q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+                                    "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8,
+                                    "num_experts_per_tok": 2, "moe_intermediate_size": 32, "pad_token_id": 0,
+                                    "bos_token_id": 1, "eos_token_id": 2, **kw,
+                                    "num_key_value_heads": kw["num_attention_heads"]})
     # MiniCPM3: MLA (a 32-value latent, 16 + 8 query/key values a head, 16 value values, queries through a
     # 32-value bottleneck; rotary values in halves), dense MLPs, MiniCPM's scalings (scale_emb 12,
     # scale_depth 1.4 over two layers, logits over 64 / 16).
@@ -690,7 +699,7 @@ def assert_same_parameters(mine: torch.nn.Module, other: torch.nn.Module) -> Non
 
 def save_tiny_model_with_mtp(path: Path, kind: str, seed: int = 0, near_bigram: float | None = None,
                              **overrides) -> Path:
-    """A random-weight GLM-4.5 or DeepSeek-V3 checkpoint holding one multi-token-prediction layer
+    """A random-weight GLM-4.5, GLM-4.7-Flash or DeepSeek-V3 checkpoint holding one multi-token-prediction layer
     after its decoder's (``model.layers.{num_hidden_layers}``), as the released ones do: transformers
     has no MTP layer, so it is built as one more decoder layer, with the MTP's norms and projection
     beside it, and copies of the embedding and head. ``near_bigram``: every layer's output
@@ -705,6 +714,8 @@ def save_tiny_model_with_mtp(path: Path, kind: str, seed: int = 0, near_bigram: 
     save_tiny_model(path, kind, seed, num_hidden_layers=layers + 1, **overrides)
     config = json.loads((path / "config.json").read_text())
     config.update(num_hidden_layers=layers, num_nextn_predict_layers=1)
+    if isinstance(config.get("mlp_layer_types"), list):  # (GLM-4.7-Flash's: the decoder's layers alone)
+        config["mlp_layer_types"] = config["mlp_layer_types"][:layers]
     (path / "config.json").write_text(json.dumps(config))
     tensors = load_file(path / "model.safetensors")
     width = config["hidden_size"]
