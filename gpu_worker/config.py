@@ -84,7 +84,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "PersimmonForCausalLM", "HunYuanDenseV1ForCausalLM", "DbrxForCausalLM",
                            "VaultGemmaForCausalLM", "HunYuanMoEV1ForCausalLM", "MiniCPM3ForCausalLM",
                            "MiniCPM5MoeForCausalLM", "MiniCPMForCausalLM",
-                           "Glm4MoeLiteForCausalLM")
+                           "Glm4MoeLiteForCausalLM", "ExaoneMoeForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -137,6 +137,10 @@ MINICPM3_DEFAULTS = {"rms_norm_eps": 1e-5, "max_position_embeddings": 32768, "ti
 GLM4_MOE_LITE_DEFAULTS = {"vocab_size": 154880, "hidden_size": 2048, "intermediate_size": 10240,
                           "num_hidden_layers": 47, "num_attention_heads": 20, "rms_norm_eps": 1e-5,
                           "max_position_embeddings": 202752}
+# LG's EXAONE: 4.0 (dense, norms after each sublayer) and K-EXAONE (ExaoneMoeForCausalLM: norms before
+# each, DeepSeek-V3's experts), the same attention (per-head q/k norms, windowed layers with RoPE,
+# full ones without positions where there are windowed ones).
+EXAONE_ARCHITECTURES = ("Exaone4ForCausalLM", "ExaoneMoeForCausalLM")
 # Another spelling of an architecture's name in released configs, read as transformers reads it.
 ARCHITECTURE_SPELLINGS = {"MiniCPM5MoEForCausalLM": "MiniCPM5MoeForCausalLM"}
 # transformers' defaults for the keys a config of these Llama-like families may leave out.
@@ -155,6 +159,9 @@ LLAMA_LIKE_DEFAULTS = {
                                 "tie_word_embeddings": True, "intermediate_size": 12288},
     "ArceeForCausalLM": {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "hidden_act": "relu2"},
     "Exaone4ForCausalLM": {"rms_norm_eps": 1e-5, "max_position_embeddings": 2048},
+    "ExaoneMoeForCausalLM": {"rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "vocab_size": 102400,
+                             "hidden_size": 4096, "intermediate_size": 16384, "num_hidden_layers": 32,
+                             "num_attention_heads": 32},
     "Starcoder2ForCausalLM": {"max_position_embeddings": 4096, "hidden_act": "gelu_pytorch_tanh",
                               "tie_word_embeddings": True, "use_bias": True, "num_key_value_heads": 2},
     "StableLmForCausalLM": {"max_position_embeddings": 4096, "partial_rotary_factor": 0.25},
@@ -1265,7 +1272,7 @@ def _exaone4_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _exaone4_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    if arch != "Exaone4ForCausalLM" or not cfg.get("sliding_window"):
+    if arch not in EXAONE_ARCHITECTURES or not cfg.get("sliding_window"):
         return {}
     return {"rope_layers": tuple(kind == "sliding_attention" for kind in cfg["layer_types"])}
 
@@ -1734,11 +1741,12 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
                     moe_activation="swigluoai", swiglu_alpha=float(cfg.get("swiglu_alpha") or 1.702),
                     swiglu_limit=float(cfg.get("swiglu_limit") or 7.0))
     if arch in ("Glm4MoeForCausalLM", *DEEPSEEK_ARCHITECTURES, "Dots1ForCausalLM", "MiniCPM5MoeForCausalLM",
-                "Glm4MoeLiteForCausalLM"):
+                "Glm4MoeLiteForCausalLM", "ExaoneMoeForCausalLM"):
         # Routed experts from layer first_k_dense_replace on (dense MLPs of intermediate_size below;
         # DeepSeek's every moe_layer_freq-th layer; MiniCPM5-MoE's and GLM-4.7-Flash's where
         # mlp_layer_types says "sparse"), beside n_shared_experts shared ones. GLM-4.5 and 4.7-Flash,
-        # DeepSeek-V3 (topk_method noaux_tc), dots.llm1 and MiniCPM5-MoE: sigmoid scores chosen through the correction
+        # DeepSeek-V3 (topk_method noaux_tc), dots.llm1, MiniCPM5-MoE and K-EXAONE (its keys
+        # num_experts and num_shared_experts): sigmoid scores chosen through the correction
         # bias; DeepSeek-V2: the softmax, within the best groups under group_limited_greedy. (Their
         # routers in fp32: SparseMoeBlock's grouped top k.)
         v2 = arch == "DeepseekV2ForCausalLM"
@@ -1751,14 +1759,15 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
         defaults = {"Glm4MoeForCausalLM": (128, 1408, 8, 1, 1.0), "DeepseekV2ForCausalLM": (64, 1407, 6, 0, 1.0),
                     "DeepseekV3ForCausalLM": (256, 2048, 8, 3, 2.5), "Dots1ForCausalLM": (0, 1408, 0, 0, 1.0),
                     "MiniCPM5MoeForCausalLM": (160, 512, 16, 1, 3.66),
-                    "Glm4MoeLiteForCausalLM": (64, 1536, 4, 1, 1.8)}[arch]
-        num_experts = read("n_routed_experts", defaults[0], "num_local_experts")
+                    "Glm4MoeLiteForCausalLM": (64, 1536, 4, 1, 1.8),
+                    "ExaoneMoeForCausalLM": (64, 1024, 8, 1, 2.5)}[arch]
+        num_experts = read("n_routed_experts", defaults[0], "num_local_experts", "num_experts")
         width = read("moe_intermediate_size", defaults[1])
         grouped = 8 if arch == "DeepseekV3ForCausalLM" else 1  # (transformers' defaults: V3's 8 groups, 4 kept)
         groups, kept = read("n_group", grouped) or 1, read("topk_group", grouped // 2 or 1) or 1
         if v2 and cfg.get("topk_method", "greedy") == "greedy":
             groups = kept = 1
-        elif not v2 and arch not in ("Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM") \
+        elif not v2 and arch not in ("Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "ExaoneMoeForCausalLM") \
                 and cfg.get("topk_method", "noaux_tc") != "noaux_tc":
             raise ValueError(f"topk_method must be 'noaux_tc' for {arch}, got {cfg.get('topk_method')!r}")
         if num_experts % groups or not 0 < kept <= groups:
@@ -1771,9 +1780,10 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
         first_moe, every = read("first_k_dense_replace", defaults[3]), read("moe_layer_freq", 1) or 1
         # (Its multi-token-prediction layers follow the decoder's, numbered on: speculative decoding's
         # mtp drafter builds the first, routed as the layer of its number would be.)
-        num_mtp = 0 if v2 else int(cfg.get("num_nextn_predict_layers") or 0)
+        # (K-EXAONE's are apart, under mtp.*: not read.)
+        num_mtp = 0 if v2 or arch == "ExaoneMoeForCausalLM" else int(cfg.get("num_nextn_predict_layers") or 0)
         moe_layers = tuple(i >= first_moe and i % every == 0 for i in range(num_layers + num_mtp))
-        if arch in ("MiniCPM5MoeForCausalLM", "Glm4MoeLiteForCausalLM") \
+        if arch in ("MiniCPM5MoeForCausalLM", "Glm4MoeLiteForCausalLM", "ExaoneMoeForCausalLM") \
                 and isinstance(cfg.get("mlp_layer_types"), list):
             kinds = cfg["mlp_layer_types"]
             if len(kinds) != num_layers or not set(kinds) <= {"dense", "sparse"}:
@@ -1783,7 +1793,8 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
         return dict(num_mtp_layers=num_mtp, num_experts=num_experts, num_experts_per_tok=top_k,
                     moe_intermediate_size=width,
                     norm_topk_prob=bool(cfg.get("norm_topk_prob", not v2 and arch != "Dots1ForCausalLM")),
-                    shared_expert_intermediate_size=width * read("n_shared_experts", 2 if v2 else 1),
+                    shared_expert_intermediate_size=width * read("n_shared_experts", 2 if v2 else 1,
+                                                                 "num_shared_experts"),
                     shared_expert_gated=False, moe_grouped_topk=True, moe_scoring="softmax" if v2 else "sigmoid",
                     moe_correction_bias=not v2, moe_num_groups=groups, moe_topk_groups=kept,
                     routed_scaling_factor=float(cfg.get("routed_scaling_factor", defaults[4])),
@@ -2331,7 +2342,7 @@ class ModelConfig:
             cfg = {**GLM4_MOE_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
         if arch == "Llama4ForCausalLM":  # (before the defaults: its two MLP widths)
             cfg = _llama4_config(cfg)
-        if arch == "Exaone4ForCausalLM":  # (before the defaults: a null sliding_window means none)
+        if arch in EXAONE_ARCHITECTURES:  # (before the defaults: a null sliding_window means none)
             cfg = _exaone4_config(cfg)
         if arch == "GPTNeoXForCausalLM":
             cfg = _gpt_neox_config(cfg)
@@ -2493,7 +2504,7 @@ class ModelConfig:
                                                              "MinistralForCausalLM", "CwmForCausalLM",
                                                              "MixtralForCausalLM", "Phi3ForCausalLM",
                                                              "PhimoeForCausalLM",
-                                                             "Cohere2ForCausalLM", "Exaone4ForCausalLM",
+                                                             "Cohere2ForCausalLM", *EXAONE_ARCHITECTURES,
                                                              "Starcoder2ForCausalLM") else None)
             if arch == "SmolLM3ForCausalLM" and cfg.get("use_sliding_window"):
                 sliding = cfg.get("sliding_window")
@@ -2555,7 +2566,7 @@ class ModelConfig:
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Dots1ForCausalLM",
                              *HUNYUAN_ARCHITECTURES)
             or (arch == "Glm4MoeForCausalLM" and bool(cfg.get("use_qk_norm", False)))
-            or arch in (*LFM2_ARCHITECTURES, "Exaone4ForCausalLM", "ApertusForCausalLM")
+            or arch in (*LFM2_ARCHITECTURES, *EXAONE_ARCHITECTURES, "ApertusForCausalLM")
             or (arch in ("PhiForCausalLM", "PersimmonForCausalLM") and bool(cfg.get("qk_layernorm"))),
             eos_token_ids=eos,
             sliding_window=int(sliding) if sliding else None,

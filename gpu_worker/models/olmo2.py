@@ -22,6 +22,8 @@ and v (ModelConfig.clip_qkv).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 import torch
 from torch import nn
 
@@ -136,6 +138,20 @@ class Exaone4ForCausalLM(LlamaForCausalLM):
     of four) rotate, its full layers attend without positions (ModelConfig)."""
 
     model_class = Exaone4Model
+
+
+class ExaoneMoeForCausalLM(LlamaForCausalLM):
+    """LG's K-EXAONE (K-EXAONE-236B-A23B): Llama's layers (norms before each sublayer) with EXAONE 4.0's
+    attention (per-head q/k norms; windowed layers rotate, full ones attend without positions) and
+    DeepSeek-V3's experts (sigmoid scores through the correction bias, beside a shared one) where
+    mlp_layer_types says sparse; its multi-token-prediction layers (``mtp.*``) are not read."""
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
+        for name, tensor in weights:  # (the correction bias beside the router, as released)
+            yield name.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"), tensor
+
+    def reads_checkpoint_tensor(self, name: str) -> bool:
+        return not name.startswith("mtp.")
 
 
 class OlmoeAttention(Olmo2Attention):

@@ -80,6 +80,7 @@ from gpu_worker.models.nemotron_h import (
 )
 from gpu_worker.models.olmo2 import (
     Exaone4ForCausalLM,
+    ExaoneMoeForCausalLM,
     FlexOlmoForCausalLM,
     Olmo2ForCausalLM,
     Olmo3ForCausalLM,
@@ -154,6 +155,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM,
     "ArceeForCausalLM": ArceeForCausalLM,
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
+    "ExaoneMoeForCausalLM": ExaoneMoeForCausalLM,
     "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
     "StableLmForCausalLM": StableLmForCausalLM,
     "Llama4ForCausalLM": Llama4ForCausalLM,

@@ -298,6 +298,14 @@ CASES = {
                                            "sliding_window": 8, "max_window_layers": 1}),
     "exaone4": ("exaone4", {}),
     "exaone4_no_window": ("exaone4", {"sliding_window": None, "layer_types": ["full_attention"] * 4}),
+    # K-EXAONE: EXAONE 4.0's attention in pre-norm layers, DeepSeek-V3's experts beside a shared one after
+    # a dense first layer; MQA with two shared experts' width and the layers' kinds as listed; windows on
+    # every other layer, two groups (one kept), not renormalised.
+    "exaone_moe": ("exaone_moe", {}),
+    "exaone_moe_mqa_listed_layers_wide_shared": ("exaone_moe", {
+        "num_key_value_heads": 1, "mlp_layer_types": ["sparse", "dense", "sparse", "sparse"], "num_shared_experts": 2}),
+    "exaone_moe_alternating_windows_groups": ("exaone_moe", {"sliding_window_pattern": 2, "n_group": 2,
+                                                             "topk_group": 1, "norm_topk_prob": False}),
     # Zamba2: Mamba-2 layers, three of them running two shared blocks in turn with their own adapters
     # and RoPE; one block for every hybrid layer, no attention adapters, no RoPE, biases on the mixers'
     # and the MLP's projections.
@@ -515,7 +523,9 @@ def test_registry_maps_architectures(tmp_path):
                                    "BloomForCausalLM", "MptForCausalLM", "MPTForCausalLM", "FlexOlmoForCausalLM",
                                    "MinistralForCausalLM", "CwmForCausalLM", "PersimmonForCausalLM",
                                    "HunYuanDenseV1ForCausalLM", "DbrxForCausalLM",
-                                   "VaultGemmaForCausalLM", "HunYuanMoEV1ForCausalLM",
+                                   "VaultGemmaForCausalLM", "HunYuanMoEV1ForCausalLM", "MiniCPM3ForCausalLM",
+                                   "MiniCPM5MoeForCausalLM", "MiniCPMForCausalLM", "Glm4MoeLiteForCausalLM",
+                                   "ExaoneMoeForCausalLM",
                                    "BertModel",
                                    "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
@@ -1376,6 +1386,26 @@ def test_glm4_moe_lite_config_as_released():
     listed = ModelConfig.from_dict({**released, "num_hidden_layers": 3, "mlp_layer_types": ["dense"] * 2 + ["sparse"]})
     assert [listed.layer_is_moe(i) for i in range(4)] == [False, False, True, True]
     assert ModelConfig.from_dict({**released, "q_lora_rank": None}).q_lora_rank == 0
+
+
+def test_exaone_moe_config_as_released():
+    """K-EXAONE's config as transformers' ExaoneMoeConfig reads it (its keys num_experts and
+    num_shared_experts): 64 experts of 1024 by default, 8 a token, renormalised, times 2.5, a shared
+    one, the first layer dense; EXAONE 4.0's layer kinds ("LLLG": three windowed layers rotating, the
+    fourth full without positions) and per-head q/k norms; its MTP layers (mtp.*) not counted."""
+    released = {"architectures": ["ExaoneMoeForCausalLM"], "hidden_size": 6144, "num_hidden_layers": 48,
+                "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 153600,
+                "num_experts": 128, "num_shared_experts": 1, "moe_intermediate_size": 2048, "num_experts_per_tok": 8,
+                "sliding_window": 128, "sliding_window_pattern": "LLLG", "num_nextn_predict_layers": 1,
+                "max_position_embeddings": 262144, "rope_theta": 1000000.0}
+    config = ModelConfig.from_dict(released)
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (128, 8, 2048)
+    assert config.shared_expert_intermediate_size == 2048 and config.routed_scaling_factor == 2.5
+    assert config.moe_scoring == "sigmoid" and config.moe_correction_bias and config.norm_topk_prob
+    assert [config.layer_is_moe(i) for i in (0, 1, 47)] == [False, True, True] and config.num_mtp_layers == 0
+    assert config.sliding_window == 128 and config.sliding_window_layers[:4] == (True, True, True, False)
+    assert config.rope_layers == config.sliding_window_layers and config.qk_norm
+    assert ModelConfig.from_dict({**released, "num_experts": None}).num_experts == 64  # (transformers' default)
 
 
 def test_dbrx_config_as_released():

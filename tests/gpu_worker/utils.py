@@ -26,6 +26,7 @@ from transformers import (
     Ernie4_5_MoeConfig,
     Ernie4_5Config,
     Exaone4Config,
+    ExaoneMoeConfig,
     FalconConfig,
     FalconH1Config,
     FalconMambaConfig,
@@ -439,6 +440,13 @@ def make_config(kind: str = "llama", **overrides):
         return ApertusConfig(**{"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "dtype": "float32", **kw})
     if kind == "arcee":
         return ArceeConfig(**{"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
+    # K-EXAONE: EXAONE 4.0's attention (a window of 8 on three layers of four, the full one without
+    # positions) in pre-norm layers, 8 experts of 32 (2 a token, renormalised, times 2.5) beside a shared
+    # one, the first layer dense.
+    if kind == "exaone_moe":
+        return ExaoneMoeConfig(**{"sliding_window": 8, "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
+                                  "moe_intermediate_size": 32, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+                                  **kw, "num_hidden_layers": max(4, kw["num_hidden_layers"])})
     if kind == "exaone4":
         return Exaone4Config(**{"sliding_window": 8, "sliding_window_pattern": 4, "pad_token_id": 0,
                                 "bos_token_id": 1, "eos_token_id": 2, **kw,
