@@ -591,8 +591,9 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--tool-call-parser", choices=list(TOOL_CALL_PARSERS), default=None,
                        help="The model's tool-call format (hermes: <tool_call>{...}</tool_call>; mistral: "
                             "[TOOL_CALLS][...]; llama3_json: Llama 3.x's JSON objects; pythonic: [f(a=1), ...]; "
-                            "qwen3_coder: <tool_call><function=f><parameter=a>1</parameter>...; glm45: <tool_call>f "
-                            "<arg_key>a</arg_key><arg_value>1</arg_value>...; openai: gpt-oss's harmony messages; "
+                            "qwen3_coder: <tool_call><function=f><parameter=a>1</parameter>...; glm45 (or glm47): "
+                            "<tool_call>f <arg_key>a</arg_key><arg_value>1</arg_value>...; "
+                            "openai: gpt-oss's harmony messages; "
                             "deepseek_v3, deepseek_v31, kimi_k2: DeepSeek's and Kimi K2's tool-call sections; "
                             "minimax_m2: <minimax:tool_call><invoke name=\"f\"><parameter name=\"a\">1"
                             "</parameter>...).")

@@ -8,9 +8,11 @@
   (``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, as Hermes and Qwen
   models write it); text outside the tags is the message's content. ``openai`` (gpt-oss): calls are
   harmony messages to ``functions.NAME`` (``router.harmony``, which reads the whole answer);
-  ``glm45`` (GLM-4.5 to 4.7): ``<tool_call>NAME`` and ``<arg_key>``/``<arg_value>`` pairs
-  (``router.glm45_tool_parser``); ``deepseek_v3``, ``deepseek_v31`` and ``kimi_k2``: calls in a
-  marked section after the content (``router.sectioned_tool_parsers``).
+  ``glm45`` (GLM-4.5 to 4.7; ``glm47``, vLLM's name for GLM-4.7's, the same parser: it reads the
+  name and the first key on one line, and calls without arguments): ``<tool_call>NAME`` and
+  ``<arg_key>``/``<arg_value>`` pairs (``router.glm45_tool_parser``); ``deepseek_v3``,
+  ``deepseek_v31`` and ``kimi_k2``: calls in a marked section after the content
+  (``router.sectioned_tool_parsers``).
 
 Every parser is incremental: ``feed(text)`` returns what can be released now (content and
 tool-call deltas, in OpenAI's streamed shape), ``finish()`` what is left. A whole response runs the
@@ -28,8 +30,8 @@ from typing import Any
 
 from router.parsed_output import ParsedDelta, partial_suffix
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "openai", "glm45", "deepseek_v3",
-                     "deepseek_v31", "kimi_k2", "minimax_m2")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "openai", "glm45", "glm47",
+                     "deepseek_v3", "deepseek_v31", "kimi_k2", "minimax_m2")
 # Where a JSON call object keeps its arguments.
 ARGUMENTS_KEYS = ("arguments", "parameters")
 
@@ -1011,7 +1013,7 @@ def create_tool_call_parser(tool_choice: str | dict[str, Any], server_parser: st
             return PythonicToolCallParser()
         if server_parser == "qwen3_coder":
             return Qwen3CoderToolCallParser(tools)
-        if server_parser == "glm45":
+        if server_parser in ("glm45", "glm47"):
             from router.glm45_tool_parser import Glm45ToolCallParser
 
             return Glm45ToolCallParser(tools)

@@ -155,6 +155,13 @@ def test_the_factories():
     out = parser.feed(call("get_weather", ("days", "4")))
     out.extend(parser.finish())
     assert "".join(d["function"]["arguments"] for d in out.tool_calls) == '{"days": 4}'
+    # (vLLM's name for GLM-4.7's: the same parser, the name and first key on one line, or no arguments.)
+    parser = create_tool_call_parser("auto", "glm47", TOOLS)
+    out = parser.feed("<tool_call>get_weather<arg_key>days</arg_key><arg_value>3</arg_value></tool_call>"
+                      "<tool_call>get_weather</tool_call>")
+    out.extend(parser.finish())
+    assert [d["function"].get("name") for d in out.tool_calls if d["function"].get("name")] == ["get_weather"] * 2
+    assert "".join(d["function"]["arguments"] for d in out.tool_calls) == '{"days": 3}{}'
     reasoning = create_reasoning_parser("glm45")
     assert reasoning.feed("Just an answer.") == ("", "Just an answer.")  # (no <think>: content)
     reasoning = create_reasoning_parser("glm45")
