@@ -141,13 +141,16 @@ GLM4_MOE_LITE_DEFAULTS = {"vocab_size": 154880, "hidden_size": 2048, "intermedia
 # each, DeepSeek-V3's experts), the same attention (per-head q/k norms, windowed layers with RoPE,
 # full ones without positions where there are windowed ones).
 EXAONE_ARCHITECTURES = ("Exaone4ForCausalLM", "ExaoneMoeForCausalLM")
+# transformers' MiniCPM5MoeConfig defaults for keys a config leaves out (a null kept: a null head_dim
+# is hidden_size / heads, a null num_key_value_heads as many as the heads, as transformers reads them).
+MINICPM5_MOE_DEFAULTS = {"vocab_size": 130560, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 28,
+                         "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128,
+                         "max_position_embeddings": 524288, "rms_norm_eps": 1e-6}
 # Another spelling of an architecture's name in released configs, read as transformers reads it.
-ARCHITECTURE_SPELLINGS = {"MiniCPM5MoEForCausalLM": "MiniCPM5MoeForCausalLM"}
+ARCHITECTURE_SPELLINGS = {"MiniCPM5MoEForCausalLM": "MiniCPM5MoeForCausalLM",
+                          "ExaoneMoEForCausalLM": "ExaoneMoeForCausalLM"}
 # transformers' defaults for the keys a config of these Llama-like families may leave out.
 LLAMA_LIKE_DEFAULTS = {
-    "MiniCPM5MoeForCausalLM": {"vocab_size": 130560, "hidden_size": 2048, "intermediate_size": 8192,
-                               "num_hidden_layers": 28, "num_attention_heads": 32, "num_key_value_heads": 2,
-                               "head_dim": 128, "max_position_embeddings": 524288, "rms_norm_eps": 1e-6},
     "GlmForCausalLM": _GLM_DEFAULTS,
     "Glm4ForCausalLM": _GLM_DEFAULTS,
     "SeedOssForCausalLM": {"head_dim": 128, "rms_norm_eps": 1e-6, "max_position_embeddings": 524288,
@@ -1767,7 +1770,7 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
         groups, kept = read("n_group", grouped) or 1, read("topk_group", grouped // 2 or 1) or 1
         if v2 and cfg.get("topk_method", "greedy") == "greedy":
             groups = kept = 1
-        elif not v2 and arch not in ("Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "ExaoneMoeForCausalLM") \
+        elif not v2 and arch in ("DeepseekV3ForCausalLM", "Dots1ForCausalLM") \
                 and cfg.get("topk_method", "noaux_tc") != "noaux_tc":
             raise ValueError(f"topk_method must be 'noaux_tc' for {arch}, got {cfg.get('topk_method')!r}")
         if num_experts % groups or not 0 < kept <= groups:
@@ -1780,8 +1783,9 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
         first_moe, every = read("first_k_dense_replace", defaults[3]), read("moe_layer_freq", 1) or 1
         # (Its multi-token-prediction layers follow the decoder's, numbered on: speculative decoding's
         # mtp drafter builds the first, routed as the layer of its number would be.)
-        # (K-EXAONE's are apart, under mtp.*: not read.)
-        num_mtp = 0 if v2 or arch == "ExaoneMoeForCausalLM" else int(cfg.get("num_nextn_predict_layers") or 0)
+        # (K-EXAONE's are apart, under mtp.*, and not read; MiniCPM5-MoE has none.)
+        no_mtp = v2 or arch in ("ExaoneMoeForCausalLM", "MiniCPM5MoeForCausalLM")
+        num_mtp = 0 if no_mtp else int(cfg.get("num_nextn_predict_layers") or 0)
         moe_layers = tuple(i >= first_moe and i % every == 0 for i in range(num_layers + num_mtp))
         if arch in ("MiniCPM5MoeForCausalLM", "Glm4MoeLiteForCausalLM", "ExaoneMoeForCausalLM") \
                 and isinstance(cfg.get("mlp_layer_types"), list):
@@ -2362,6 +2366,8 @@ class ModelConfig:
             cfg = {**MINICPM3_DEFAULTS, **cfg}
         if arch == "Glm4MoeLiteForCausalLM":
             cfg = {**GLM4_MOE_LITE_DEFAULTS, **cfg}
+        if arch == "MiniCPM5MoeForCausalLM":
+            cfg = {**MINICPM5_MOE_DEFAULTS, **cfg}
         if arch == "MiniCPMForCausalLM":
             cfg = _minicpm_config(cfg)
         if arch in LLAMA_LIKE_DEFAULTS:

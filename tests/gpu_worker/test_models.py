@@ -110,12 +110,11 @@ CASES = {
         "q_lora_rank": None, "rope_interleave": False, "n_group": 2, "topk_group": 1, "num_hidden_layers": 3,
         "mlp_layer_types": ["sparse", "dense", "sparse"]}),
     # MiniCPM3: MLA with rotary values in halves, dense MLPs, MiniCPM's scalings of the embeddings,
-    # residual adds and logits; with a plain query projection, biases and an untied head; the scalings
-    # left null (none); LongRoPE past a pretrained 16 positions.
+    # residual adds and logits; with a plain query projection, biases and an untied head; LongRoPE past
+    # a pretrained 16 positions. (Null scalings: test_minicpm3s_null_scalings_scale_by_one.)
     "minicpm3": ("minicpm3", {}),
     "minicpm3_plain_query_bias_untied": ("minicpm3", {"q_lora_rank": None, "attention_bias": True,
                                                       "tie_word_embeddings": False}),
-    "minicpm3_null_scalings": ("minicpm3", {"scale_depth": None, "dim_model_base": None, "num_hidden_layers": 3}),
     "minicpm3_longrope": ("minicpm3", {"rope_parameters": {
         "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.1, 1.3, 1.8],
         "long_factor": [1.0, 2.5, 6.0, 12.0], "original_max_position_embeddings": 16}}),
@@ -1313,6 +1312,23 @@ def test_hunyuan_moe_config_as_released():
         ModelConfig.from_dict({**released, "use_cla": True})
 
 
+def test_minicpm3s_null_scalings_scale_by_one(tmp_path):
+    """A MiniCPM3 config whose scale_depth and dim_model_base are null (transformers saves the numbers
+    it reads them as, so the file is written with nulls here): no residual or logits scaling, as
+    transformers loads the same file."""
+    import json
+
+    path = save_tiny_model(tmp_path, "minicpm3", scale_depth=None, dim_model_base=None, num_hidden_layers=3)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "scale_depth": None, "dim_model_base": None}))
+    ours = ModelConfig.from_pretrained(path)
+    assert (ours.residual_multiplier, ours.logits_scaling) == (1.0, 1.0)
+    tokens = [(5 * i + 2) % 256 for i in range(19)]
+    expected = load_hf(path)(torch.tensor([tokens])).logits[0].detach()
+    torch.testing.assert_close(prefill_logits(make_runner(path), tokens, list(range(5))), expected,
+                               atol=1e-4, rtol=1e-4)
+
+
 def test_minicpm3_config_as_released():
     """MiniCPM3-4B's config (its remote-code keys; LongRoPE's 16 factors a list each, here of ones):
     MLA of a 256-value latent, 64 + 32 query/key values a head, 64 value values (hidden / heads),
@@ -1363,6 +1379,9 @@ def test_minicpm5_moe_config_as_released():
         ModelConfig.from_dict({**released, "num_hidden_layers": 2, "mlp_layer_types": ["dense", "moe"]})
     with pytest.raises(ValueError, match="use_gated_attention"):
         ModelConfig.from_dict({**released, "use_gated_attention": False})
+    # (Nulls read as transformers reads them: heads hidden / heads wide, as many KV heads as heads.)
+    nulls = ModelConfig.from_dict({**released, "head_dim": None, "num_key_value_heads": None})
+    assert (nulls.head_dim, nulls.num_key_value_heads) == (64, 32)
 
 
 def test_glm4_moe_lite_config_as_released():
@@ -1392,13 +1411,15 @@ def test_exaone_moe_config_as_released():
     """K-EXAONE's config as transformers' ExaoneMoeConfig reads it (its keys num_experts and
     num_shared_experts): 64 experts of 1024 by default, 8 a token, renormalised, times 2.5, a shared
     one, the first layer dense; EXAONE 4.0's layer kinds ("LLLG": three windowed layers rotating, the
-    fourth full without positions) and per-head q/k norms; its MTP layers (mtp.*) not counted."""
-    released = {"architectures": ["ExaoneMoeForCausalLM"], "hidden_size": 6144, "num_hidden_layers": 48,
+    fourth full without positions) and per-head q/k norms; its MTP layers (mtp.*) not counted; its
+    released spelling ExaoneMoEForCausalLM read as transformers' ExaoneMoeForCausalLM."""
+    released = {"architectures": ["ExaoneMoEForCausalLM"], "hidden_size": 6144, "num_hidden_layers": 48,
                 "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 153600,
                 "num_experts": 128, "num_shared_experts": 1, "moe_intermediate_size": 2048, "num_experts_per_tok": 8,
                 "sliding_window": 128, "sliding_window_pattern": "LLLG", "num_nextn_predict_layers": 1,
                 "max_position_embeddings": 262144, "rope_theta": 1000000.0}
     config = ModelConfig.from_dict(released)
+    assert config.architecture == "ExaoneMoeForCausalLM"
     assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (128, 8, 2048)
     assert config.shared_expert_intermediate_size == 2048 and config.routed_scaling_factor == 2.5
     assert config.moe_scoring == "sigmoid" and config.moe_correction_bias and config.norm_topk_prob
