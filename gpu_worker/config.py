@@ -20,6 +20,12 @@ import torch
 from engine_core.tokenizer_files import read_image_processor_config, read_video_processor_config
 from engine_core.tokenizer_loader import load_tokenizer
 from gpu_worker.attn_metadata import ChunkedWindow
+from gpu_worker.gemma3n_config import (
+    GEMMA3N_TEXT_DEFAULTS,
+    Gemma3nConfig,
+    gemma3n_config_from_dict,
+    gemma3n_layer_types,
+)
 from gpu_worker.layers.rotary import yarn_mscale
 from gpu_worker.mamba_config import GatedDeltaNetConfig, Mamba1Config, Mamba2Config, ShortConvConfig
 from gpu_worker.quantized_checkpoint import weight_quantization
@@ -84,7 +90,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "PersimmonForCausalLM", "HunYuanDenseV1ForCausalLM", "DbrxForCausalLM",
                            "VaultGemmaForCausalLM", "HunYuanMoEV1ForCausalLM", "MiniCPM3ForCausalLM",
                            "MiniCPM5MoeForCausalLM", "MiniCPMForCausalLM",
-                           "Glm4MoeLiteForCausalLM", "ExaoneMoeForCausalLM")
+                           "Glm4MoeLiteForCausalLM", "ExaoneMoeForCausalLM", "Gemma3nForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -92,6 +98,7 @@ MAMBA1_LM_ARCHITECTURES = ("MambaForCausalLM", "FalconMambaForCausalLM")
 # Vision-language checkpoints served on text alone, always (their vision side is not served here):
 # Qwen3.5's, as its language model.
 TEXT_ONLY_DECODER_OF = {"Llama4ForConditionalGeneration": "Llama4ForCausalLM",
+                        "Gemma3nForConditionalGeneration": "Gemma3nForCausalLM",
                         "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
                         "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}
 # Liquid AI's LFM2 (dense) and LFM2-MoE: gated short convolutions beside attention with q/k norms.
@@ -233,7 +240,10 @@ UNGATED_ACTIVATIONS = ("relu", "relu2", "gelu", "gelu_new", "gelu_fast", "gelu_p
 QWEN3_NEXT_DEFAULTS = {"head_dim": 256, "partial_rotary_factor": 0.25, "linear_conv_kernel_dim": 4,
                        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
                        "linear_num_value_heads": 32}
-GEMMA_ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "VaultGemmaForCausalLM")
+GEMMA_ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "VaultGemmaForCausalLM",
+                       "Gemma3nForCausalLM")
+# Gemma 2 / 3 / 3n: Gemma 2's attention (windowed and full layers; their own attention scale).
+GEMMA_WINDOWED_ARCHITECTURES = ("Gemma2ForCausalLM", "VaultGemmaForCausalLM", "Gemma3ForCausalLM", "Gemma3nForCausalLM")
 # Gemma 2's configs: Gemma 2's and VaultGemma's (Gemma 2 without the norms after each sublayer).
 GEMMA2_ARCHITECTURES = ("Gemma2ForCausalLM", "VaultGemmaForCausalLM")
 OLMO_ARCHITECTURES = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoeForCausalLM")
@@ -341,7 +351,7 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 # vLLM's _FLOAT16_NOT_SUPPORTED_MODELS (gemma2, gemma3, gemma3_text), and VaultGemma (Gemma 2's layers:
 # our addition): their activations overflow float16's range, so "auto" never picks it for them and
 # --dtype float16 is refused.
-FLOAT16_UNSUPPORTED_ARCHITECTURES = (*GEMMA2_ARCHITECTURES, "Gemma3ForCausalLM")
+FLOAT16_UNSUPPORTED_ARCHITECTURES = GEMMA_WINDOWED_ARCHITECTURES
 
 
 def check_dtype_supported(dtype: torch.dtype, config: ModelConfig) -> None:
@@ -363,7 +373,8 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
 def _rope_from_dict(arch: str, cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling dict with a ``rope_type`` key, or None for plain RoPE): the RoPE of the
     full-attention layers, where a config gives one per layer type (Gemma 3)."""
-    default_theta = {"Gemma3ForCausalLM": 1_000_000.0, "SmolLM3ForCausalLM": 2_000_000.0,
+    default_theta = {"Gemma3ForCausalLM": 1_000_000.0, "Gemma3nForCausalLM": 1_000_000.0,
+                     "SmolLM3ForCausalLM": 2_000_000.0,
                      "Olmo3ForCausalLM": 500_000.0, "CohereForCausalLM": 500_000.0, "HeliumForCausalLM": 100_000.0,
                      "Ernie4_5ForCausalLM": 500_000.0, "Ernie4_5_MoeForCausalLM": 500_000.0,
                      "FlexOlmoForCausalLM": 500_000.0, "CwmForCausalLM": 1_000_000.0,
@@ -812,7 +823,7 @@ def _processor_kwargs(kwargs: dict[str, Any], vision: Any, architecture: str) ->
 
 def _activation(arch: str, cfg: dict[str, Any]) -> str:
     """The MLP's activation, read where transformers reads it for the architecture."""
-    if arch in (*GEMMA2_ARCHITECTURES, "Gemma3ForCausalLM"):
+    if arch in GEMMA_WINDOWED_ARCHITECTURES:
         act = cfg.get("hidden_activation") or "gelu_pytorch_tanh"
     elif arch == "GemmaForCausalLM":
         # Gemma's first configs say "gelu", which always meant the tanh approximation (transformers
@@ -855,10 +866,16 @@ def _llama_4_scaling(arch: str, cfg: dict[str, Any]) -> tuple[float, int] | None
 
 
 def _gemma_from_dict(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """ModelConfig's Gemma 2/3 fields (attention scale, soft caps, Gemma 3's local RoPE), with
-    transformers' defaults for the keys a config leaves out."""
-    if arch not in (*GEMMA2_ARCHITECTURES, "Gemma3ForCausalLM"):
+    """ModelConfig's Gemma 2/3/3n fields (attention scale, soft caps, Gemma 3's and 3n's local RoPE),
+    with transformers' defaults for the keys a config leaves out; Gemma 3n's own (gemma3n_config)."""
+    if arch not in GEMMA_WINDOWED_ARCHITECTURES:
         return {}
+    if arch == "Gemma3nForCausalLM":  # (its scores unscaled: its q/k norms set their size)
+        return dict(query_pre_attn_scalar=1.0, attn_logit_softcapping=None,
+                    final_logit_softcapping=(None if cfg.get("final_logit_softcapping") is None
+                                             else float(cfg["final_logit_softcapping"])),
+                    local_rope_theta=_local_rope_theta(arch, cfg, float(cfg.get("rope_local_base_freq") or 10000.0)),
+                    gemma3n=gemma3n_config_from_dict(cfg))
     if cfg.get("use_bidirectional_attention") and (arch != "Gemma3ForCausalLM" or cfg.get("attn_logit_softcapping")):
         why = "Gemma 2" if arch in GEMMA2_ARCHITECTURES else "attention soft caps"
         raise ValueError(f"use_bidirectional_attention is served on Gemma 3 without attention soft caps "
@@ -2017,6 +2034,8 @@ class ModelConfig:
     # LFM2's short convolution):
     # their geometry, and per layer whether it is one (in place of self-attention; empty: none is).
     mamba: Mamba2Config | Mamba1Config | GatedDeltaNetConfig | ShortConvConfig | None = None
+    # Gemma 3n's AltUp streams, LAuReL, per-layer inputs, KV sharing and sparse gates (gemma3n_config).
+    gemma3n: Gemma3nConfig | None = None
     mamba_layers: tuple[bool, ...] = ()
     # Falcon-H1: every layer runs attention and a Mamba-2 mixer side by side on the same input (their
     # outputs summed), so every layer keeps KV as well as a recurrent state.
@@ -2313,6 +2332,11 @@ class ModelConfig:
             raise ValueError(f"architecture must be one of {known}, got {arch!r}")
         if arch == "Gemma3ForCausalLM":
             cfg = {**GEMMA3_TEXT_DEFAULTS, **cfg}
+        if arch == "Gemma3nForCausalLM":  # (its MLP widths a list, one a layer: ModelConfig's the widest)
+            cfg = {**GEMMA3N_TEXT_DEFAULTS, **cfg}
+            widths = gemma3n_config_from_dict(cfg).intermediate_sizes
+            cfg = {**cfg, "layer_types": gemma3n_layer_types(cfg), "intermediate_size": max(widths),
+                   "layer_intermediate_sizes": list(widths)}
         if arch == "NemotronHForCausalLM":
             cfg = _nemotron_h_config(cfg)
         if arch == "Mamba2ForCausalLM":
@@ -2493,7 +2517,7 @@ class ModelConfig:
         elif arch in ("Glm4MoeForCausalLM", *GLM_DENSE_ARCHITECTURES, "HeliumForCausalLM"):
             # (attention_bias: q, k and v's; o_proj has none)
             qkv_bias, o_bias, sliding = bool(cfg.get("attention_bias", False)), False, None
-        elif arch in (*GEMMA2_ARCHITECTURES, "Gemma3ForCausalLM"):
+        elif arch in GEMMA_WINDOWED_ARCHITECTURES:
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
             sliding = cfg.get("sliding_window", 4096)
             if bidirectional and sliding:
@@ -2525,7 +2549,7 @@ class ModelConfig:
             rotates = _smollm3_fields(arch, cfg, num_layers)["rope_layers"]
             cfg = {**cfg, "layer_types": ["full_attention" if r else "sliding_attention" for r in rotates]}
         window_layers: tuple[bool, ...] = ()
-        gemma_kinds = arch in (*GEMMA2_ARCHITECTURES, "Gemma3ForCausalLM")
+        gemma_kinds = arch in GEMMA_WINDOWED_ARCHITECTURES
         if (sliding or gemma_kinds) and isinstance(cfg.get("layer_types"), list) and arch != "Qwen3MoeForCausalLM":
             # (Qwen3-MoE windows every layer when it windows at all, whatever a config lists. Gemma's
             # layer kinds are kept without a window too: Gemma 3's also choose each layer's RoPE.)
@@ -2569,7 +2593,8 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_proj_bias=o_bias,
             mlp_bias=bool(cfg.get("mlp_bias", cfg.get("use_bias", False))),  # (ERNIE 4.5's use_bias covers its MLP too)
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Dots1ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Gemma3nForCausalLM",
+                             "Dots1ForCausalLM",
                              *HUNYUAN_ARCHITECTURES)
             or (arch == "Glm4MoeForCausalLM" and bool(cfg.get("use_qk_norm", False)))
             or arch in (*LFM2_ARCHITECTURES, *EXAONE_ARCHITECTURES, "ApertusForCausalLM")

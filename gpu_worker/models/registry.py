@@ -31,6 +31,7 @@ from gpu_worker.models.falcon import FalconForCausalLM
 from gpu_worker.models.falcon_h1 import FalconH1ForCausalLM
 from gpu_worker.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM, VaultGemmaForCausalLM
 from gpu_worker.models.gemma3_vl import Gemma3VLForConditionalGeneration
+from gpu_worker.models.gemma3n import Gemma3nForCausalLM
 from gpu_worker.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
 from gpu_worker.models.gpt2 import GPT2LMHeadModel, GPTBigCodeForCausalLM, GPTJForCausalLM
 from gpu_worker.models.gpt_oss import GptOssForCausalLM
@@ -183,6 +184,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
     "MiniCPM5MoeForCausalLM": MiniCPM5MoeForCausalLM,
+    "Gemma3nForCausalLM": Gemma3nForCausalLM,
     "BertModel": BertModel,
     "RobertaModel": RobertaModel,
     "ModernBertModel": ModernBertModel,

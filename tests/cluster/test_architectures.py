@@ -23,7 +23,7 @@ KINDS = ["llama", "qwen2", "qwen3", "phi3", "mistral", "mixtral", "qwen2_moe", "
          "phi", "gpt_neox", "glm", "dots1", "gpt2", "gpt_bigcode", "gptj", "opt", "falcon", "apertus", "phimoe",
          "llama4", "bloom", "mpt", "falcon_rw", "flex_olmo", "ministral", "cwm",
          "persimmon", "hunyuan_dense", "dbrx", "vaultgemma",
-         "hunyuan_moe", "minicpm3", "minicpm5_moe", "glm4_moe_lite", "exaone_moe"]
+         "hunyuan_moe", "minicpm3", "minicpm5_moe", "glm4_moe_lite", "exaone_moe", "gemma3n"]
 # (Mistral's window of 8 keys is crossed by most prompts; Gemma 3 alternates windowed and full layers.)
 OVERRIDES = {"mistral": {"sliding_window": 8}, "cohere": {"use_qk_norm": True},
              "stablelm": {"use_parallel_residual": True, "qk_layernorm": True}}

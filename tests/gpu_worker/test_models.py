@@ -295,6 +295,16 @@ CASES = {
     "dots1": ("dots1", {}),
     "dots1_ungrouped_windowed": ("dots1", {"norm_topk_prob": False, "n_group": 1, "topk_group": 1,
                                            "sliding_window": 8, "max_window_layers": 1}),
+    # Gemma 3n: AltUp's streams, LAuReL, per-layer inputs (ids past their table read row 0), windowed and
+    # full layers, the last two attending over the first two's caches, sparse gates, widths by layer; two
+    # streams with the second active, no scale on the correction, no sharing, one width, untied; MQA, a
+    # tighter logit cap, sharper gates.
+    "gemma3n": ("gemma3n", {}),
+    "gemma3n_two_streams_second_active_unshared_untied": ("gemma3n", {
+        "altup_num_inputs": 2, "altup_active_idx": 1, "altup_correct_scale": False, "num_kv_shared_layers": 0,
+        "intermediate_size": 96, "tie_word_embeddings": False}),
+    "gemma3n_mqa_capped_sharper_gates": ("gemma3n", {"num_key_value_heads": 1, "final_logit_softcapping": 5.0,
+                                                     "activation_sparsity_pattern": [0.95, 0.3, 0.0, 0.0]}),
     "exaone4": ("exaone4", {}),
     "exaone4_no_window": ("exaone4", {"sliding_window": None, "layer_types": ["full_attention"] * 4}),
     # K-EXAONE: EXAONE 4.0's attention in pre-norm layers, DeepSeek-V3's experts beside a shared one after
@@ -524,7 +534,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "HunYuanDenseV1ForCausalLM", "DbrxForCausalLM",
                                    "VaultGemmaForCausalLM", "HunYuanMoEV1ForCausalLM", "MiniCPM3ForCausalLM",
                                    "MiniCPM5MoeForCausalLM", "MiniCPMForCausalLM", "Glm4MoeLiteForCausalLM",
-                                   "ExaoneMoeForCausalLM",
+                                   "ExaoneMoeForCausalLM", "Gemma3nForCausalLM",
                                    "BertModel",
                                    "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
@@ -1310,6 +1320,65 @@ def test_hunyuan_moe_config_as_released():
         ModelConfig.from_dict({**released, "moe_topk": [8] * (layers - 1) + [4]})
     with pytest.raises(ValueError, match="use_cla"):
         ModelConfig.from_dict({**released, "use_cla": True})
+
+
+def test_gemma3n_config_as_released():
+    """gemma-3n-E2B-it's config (Gemma3nForConditionalGeneration, served on its text_config; its lists
+    written out): 30 layers, four windowed (512) to one full, the last ten sharing the keys and
+    values of layers 18 (windowed) and 19 (full); AltUp's 4 streams, LAuReL of 64, per-layer inputs of
+    256 values from a 262,144-row table, the first ten gates cut at 0.95; unscaled scores, two RoPE
+    bases, logits capped at 30, the head tied. A sharing kind without an earlier layer refused."""
+    kinds = ["sliding_attention"] * 4 + ["full_attention"]
+    text = {"model_type": "gemma3n_text", "hidden_size": 2048, "intermediate_size": [8192] * 30,
+            "num_hidden_layers": 30, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256,
+            "num_kv_shared_layers": 10, "layer_types": kinds * 6, "sliding_window": 512, "rope_theta": 1000000.0,
+            "rope_local_base_freq": 10000.0, "vocab_size": 262400, "vocab_size_per_layer_input": 262144,
+            "hidden_size_per_layer_input": 256, "altup_num_inputs": 4, "altup_active_idx": 0,
+            "altup_correct_scale": True, "laurel_rank": 64, "final_logit_softcapping": 30.0,
+            "activation_sparsity_pattern": [0.95] * 10 + [0.0] * 20, "max_position_embeddings": 32768,
+            "rms_norm_eps": 1e-06, "hidden_activation": "gelu_pytorch_tanh"}
+    released = {"architectures": ["Gemma3nForConditionalGeneration"], "text_config": text,
+                "vision_config": {"model_type": "gemma3n_vision"}, "audio_config": {"model_type": "gemma3n_audio"}}
+    config = ModelConfig.from_dict(released)
+    g = config.gemma3n
+    assert config.architecture == "Gemma3nForCausalLM" and config.vision is None and g is not None
+    assert g.kv_sources == (None,) * 20 + (18, 18, 18, 18, 19) * 2
+    assert config.sliding_window == 512 and config.sliding_window_layers == (True, True, True, True, False) * 6
+    assert (g.altup_num_inputs, g.laurel_rank, g.hidden_size_per_layer_input, g.vocab_size_per_layer_input) == (
+        4, 64, 256, 262144)
+    assert g.activation_sparsity == (0.95,) * 10 + (0.0,) * 20 and g.intermediate_sizes == (8192,) * 30
+    assert config.attention_scale == 1.0 and config.final_logit_softcapping == 30.0 and config.tie_word_embeddings
+    assert (config.rope_theta, config.local_rope_theta, config.head_dim) == (1000000.0, 10000.0, 256)
+    with pytest.raises(ValueError, match="no layer before 28"):
+        ModelConfig.from_dict({**text, "architectures": ["Gemma3nForCausalLM"], "num_kv_shared_layers": 2,
+                               "layer_types": ["sliding_attention"] * 28 + ["full_attention"] * 2})
+
+
+def test_a_gemma3n_vision_and_audio_checkpoint_is_served_on_its_language_model(tmp_path):
+    """Gemma3nForConditionalGeneration's files (the language model under model.language_model., towers
+    beside it, a sharing layer's unused k/v projections kept as released): its towers and those
+    projections are not read; the logits are the text model's."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    path = save_tiny_model(tmp_path / "text", "gemma3n")
+    text = json.loads((path / "config.json").read_text())
+    tensors = {f"model.language_model.{name[len('model.'):]}": t
+               for name, t in load_file(path / "model.safetensors").items()}
+    tensors["model.vision_tower.timm_model.conv_stem.weight"] = torch.zeros(4, 3, 3, 3)
+    tensors["model.audio_tower.subsample_conv_projection.weight"] = torch.zeros(4, 4)
+    tensors["model.embed_vision.embedding.weight"] = torch.zeros(4, 64)
+    tensors["model.language_model.layers.2.self_attn.k_proj.weight"] = torch.zeros(32, 64)  # (layer 2 shares 0's)
+    multimodal = tmp_path / "multimodal"
+    multimodal.mkdir()
+    save_file(tensors, multimodal / "model.safetensors", metadata={"format": "pt"})
+    (multimodal / "config.json").write_text(json.dumps({
+        "architectures": ["Gemma3nForConditionalGeneration"], "model_type": "gemma3n", "text_config": text,
+        "vision_config": {"model_type": "gemma3n_vision"}, "audio_config": {"model_type": "gemma3n_audio"}}))
+    tokens = [(7 * i + 3) % 256 for i in range(21)]
+    expected = prefill_logits(make_runner(path), tokens, list(range(6)))
+    torch.testing.assert_close(prefill_logits(make_runner(multimodal), tokens, list(range(6))), expected)
 
 
 def test_minicpm3s_null_scalings_scale_by_one(tmp_path):

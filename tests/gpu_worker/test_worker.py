@@ -119,6 +119,7 @@ def _drive(workers_execute, prompts: dict[str, list[int]], num_blocks: int, spec
     ("minicpm5_moe", {}, True),
     ("glm4_moe_lite", {}, True),
     ("exaone_moe", {}, True),
+    ("gemma3n", {}, False),
 ], ids=["llama", "qwen2_moe", "qwen2_moe_expert_parallel", "gemma2", "gpt_oss", "gpt_oss_expert_parallel", "olmo2",
         "glm4_moe", "glm4_moe_expert_parallel", "deepseek_v3", "deepseek_v2_expert_parallel", "olmoe_expert_parallel",
         "granitemoe_expert_parallel", "minimax_m2", "cohere_qk_norm", "glm4", "exaone4",
@@ -127,7 +128,7 @@ def _drive(workers_execute, prompts: dict[str, list[int]], num_blocks: int, spec
         "gpt_bigcode_multi_query", "gptj", "falcon_40b_style", "bloom",
         "flex_olmo_expert_parallel", "dbrx", "hunyuan_moe_expert_parallel", "minicpm3",
         "minicpm5_moe_expert_parallel", "glm4_moe_lite_expert_parallel",
-        "exaone_moe_expert_parallel"])
+        "exaone_moe_expert_parallel", "gemma3n"])
 def test_tp2_over_gloo_equals_tp1(tmp_path, kind, overrides, expert_parallel):
     """Qwen2-MoE: each rank holds half of every expert (or, with expert parallelism, half of the
     experts whole) and half of the shared expert; one all-reduce per layer sums their outputs.

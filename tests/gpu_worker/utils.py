@@ -33,6 +33,7 @@ from transformers import (
     FlexOlmoConfig,
     Gemma2Config,
     Gemma3Config,
+    Gemma3nTextConfig,
     Gemma3TextConfig,
     GemmaConfig,
     Glm4Config,
@@ -555,6 +556,16 @@ def make_config(kind: str = "llama", **overrides):
     if kind == "gemma3":
         return Gemma3TextConfig(**{"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8,
                                    "sliding_window_pattern": 2, **kw})
+    # Gemma 3n: AltUp's 4 streams, LAuReL of rank 8, per-layer inputs of 8 values (a table of 128 rows: the
+    # ids past it read row 0), windowed (8) and full layers alternating, the last two sharing the first
+    # two's keys and values, sparse gates in two layers, MLP widths by layer.
+    if kind == "gemma3n":
+        return Gemma3nTextConfig(**{"head_dim": 16, "sliding_window": 8, "hidden_size_per_layer_input": 8,
+                                    "vocab_size_per_layer_input": 128, "laurel_rank": 8, "num_kv_shared_layers": 2,
+                                    "layer_types": ["sliding_attention", "full_attention"] * 2,
+                                    "activation_sparsity_pattern": [0.6, 0.0, 0.6, 0.0],
+                                    "intermediate_size": [128, 96, 64, 128], "pad_token_id": 0, "bos_token_id": 1,
+                                    "eos_token_id": 2, **kw, "num_hidden_layers": 4})
     if kind == "gemma3_vlm":
         # Gemma 3 4B+: the text decoder under a vision-language model, with a one-layer vision tower.
         text = make_config("gemma3", **overrides).to_dict()
@@ -590,6 +601,9 @@ def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides)
             # skipped or scaled by w alone.
             if kind.startswith("gemma") and name.endswith("norm.weight"):
                 param.normal_(0.0, 0.5)
+            # Gemma 3n's AltUp output scale starts at 0, which would hide its per-layer inputs.
+            if name.endswith("altup.correct_output_scale"):
+                param.normal_(1.0, 0.5)
             # Mamba-2's per-head scalars and its gated norm start at fixed values (A = -1..-heads, D
             # and dt's bias 1, norm 1): drawn apart so each head's are read as its own.
             if name.endswith(("mamba.A_log", "mamba.D", "mamba.dt_bias", "mamba.conv1d.bias", "mixer.A_log",
