@@ -375,8 +375,9 @@ def test_an_adapter_on_glm4_gives_pefts_tokens(tmp_path):
     ("mpt", ("Wqkv", "out_proj", "up_proj", "down_proj"), {}),
     ("minicpm5_moe", ("q_gate_proj", "k_proj", "o_proj", "gate_proj", "down_proj"), {}),
     ("minicpm3", ("q_proj", "o_proj", "down_proj"), {"q_lora_rank": None}),
+    ("gemma3n", ("q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"), {}),
 ], ids=["arcee", "starcoder2", "llama4", "phi", "gpt_neox", "gpt2", "gpt_bigcode_multi_head", "gptj", "opt",
-        "falcon_40b_style", "bloom", "mpt", "minicpm5_moe", "minicpm3"])
+        "falcon_40b_style", "bloom", "mpt", "minicpm5_moe", "minicpm3", "gemma3n"])
 def test_adapters_on_ungated_mlps_and_renamed_projections_give_pefts_tokens(tmp_path, kind, targets, overrides):
     """Arcee's, StarCoder2's, Phi's, GPT-NeoX's, the GPT family's and OPT's ungated MLPs (their
     projections looked up where LoRA wraps them), projections of other names (Llama 4's feed_forward:
@@ -387,7 +388,8 @@ def test_adapters_on_ungated_mlps_and_renamed_projections_give_pefts_tokens(tmp_
     Wqkv: B's rows reordered as our qkv_proj's), q and k rows
     reordered from RoPE's pairs (Llama 4, GPT-J), MiniCPM5-MoE's q_gate_proj (transformers' name of
     its queries-and-gates projection: our q_proj), MiniCPM3's plain query projection (its rotary rows
-    in halves already, B's as they are): each adapter gives PEFT's tokens."""
+    in halves already, B's as they are), Gemma 3n's (its KV-sharing layers' queries a projection of
+    their own, no fused q/k/v): each adapter gives PEFT's tokens."""
     base = save_tiny_model(tmp_path / "base", kind, vocab_size=251, **overrides)
     save_adapter(base, tmp_path / "a", seed=9, targets=targets)
     adapters, prompts, expected = _adapter_a_expectations(base, tmp_path, adapter_seed=9, prompt_seed=19,
