@@ -90,7 +90,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "PersimmonForCausalLM", "HunYuanDenseV1ForCausalLM", "DbrxForCausalLM",
                            "VaultGemmaForCausalLM", "HunYuanMoEV1ForCausalLM", "MiniCPM3ForCausalLM",
                            "MiniCPM5MoeForCausalLM", "MiniCPMForCausalLM",
-                           "Glm4MoeLiteForCausalLM", "ExaoneMoeForCausalLM", "Gemma3nForCausalLM")
+                           "Glm4MoeLiteForCausalLM", "ExaoneMoeForCausalLM", "Gemma3nForCausalLM",
+                           "InternLM2ForCausalLM", "InternLM3ForCausalLM", "ExaoneForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -1673,6 +1674,49 @@ def _mla_fields(arch: str, cfg: dict[str, Any], scaling: dict[str, Any] | None) 
                 attention_multiplier=scale)
 
 
+def _dynamic_ntk_within_pretrained_length(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """A config whose RoPE is dynamic NTK (InternLM's): plain RoPE within max_position_embeddings, where
+    the dynamic base is the plain one (it grows only past it, as transformers and InternLM's code
+    compute it); served so, the config's length the served one (logged)."""
+    key = "rope_parameters" if isinstance(cfg.get("rope_parameters"), dict) else "rope_scaling"
+    scaling = cfg.get(key) or {}
+    if (scaling.get("rope_type") or scaling.get("type")) != "dynamic":
+        return cfg
+    logger.info("%s's dynamic NTK RoPE is served as plain RoPE, which it is within max_position_embeddings (%s)",
+                arch, cfg.get("max_position_embeddings"))
+    plain = {k: v for k, v in scaling.items() if k in ("rope_theta",)} if key == "rope_parameters" else None
+    return {**cfg, key: plain}
+
+
+def _internlm_config(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """InternLM2's and InternLM3's config keys as ours: their remote code's defaults (InternLM2: a bias
+    on wqkv and wo unless ``bias`` is false; InternLM3: q/k/v biases by ``qkv_bias``, the output
+    projection's by ``bias``), RMSNorm epsilon 1e-6, untied."""
+    cfg = {"vocab_size": 103168, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+           "num_attention_heads": 32, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
+           "tie_word_embeddings": False, **{k: v for k, v in cfg.items() if v is not None}}
+    if arch == "InternLM2ForCausalLM":
+        cfg = {**cfg, "attention_bias": bool(cfg.get("bias", True)), "attention_out_bias": bool(cfg.get("bias", True))}
+    else:
+        cfg = {**cfg, "attention_bias": bool(cfg.get("qkv_bias", False)),
+               "attention_out_bias": bool(cfg.get("bias", False))}
+    return _dynamic_ntk_within_pretrained_length(arch, cfg)
+
+
+def _exaone_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """EXAONE 3.x's config keys as ours (num_layers, layer_norm_epsilon, activation_function), with its
+    remote code's defaults: an MLP four times the width where intermediate_size is unset, epsilon 1e-6,
+    tied embeddings."""
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    hidden = int(cfg.get("hidden_size", 2048))
+    return {"vocab_size": 102400, "hidden_size": hidden, "num_attention_heads": 32, "max_position_embeddings": 2048,
+            "tie_word_embeddings": True, **cfg,
+            "num_hidden_layers": int(cfg.get("num_layers", cfg.get("num_hidden_layers", 32))),
+            "rms_norm_eps": float(cfg.get("layer_norm_epsilon", cfg.get("rms_norm_eps", 1e-6))),
+            "hidden_act": cfg.get("activation_function", cfg.get("hidden_act", "silu")),
+            "intermediate_size": int(cfg.get("intermediate_size") or 4 * hidden)}
+
+
 def _minicpm_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """MiniCPM's (MiniCPM-1B / 2B, MiniCPM-MoE-8x2B, MiniCPM4: its remote code's) config, with that
     code's defaults (tied embeddings, RMSNorm epsilon 1e-6). Heads of hidden_size / heads values
@@ -2394,6 +2438,10 @@ class ModelConfig:
             cfg = {**MINICPM5_MOE_DEFAULTS, **cfg}
         if arch == "MiniCPMForCausalLM":
             cfg = _minicpm_config(cfg)
+        if arch in ("InternLM2ForCausalLM", "InternLM3ForCausalLM"):
+            cfg = _internlm_config(arch, cfg)
+        if arch == "ExaoneForCausalLM":
+            cfg = _exaone_config(cfg)
         if arch in LLAMA_LIKE_DEFAULTS:
             cfg = {**LLAMA_LIKE_DEFAULTS[arch], **{k: v for k, v in cfg.items() if v is not None}}
         if arch == "ApertusForCausalLM" and not cfg.get("rope_parameters") and not cfg.get("rope_scaling"):
@@ -2525,7 +2573,7 @@ class ModelConfig:
                 sliding = int(sliding) // 2
         else:
             qkv_bias = o_bias = bool(cfg.get("attention_bias", cfg.get("use_bias", False)))  # (ERNIE: use_bias)
-            if arch == "SeedOssForCausalLM":  # (o_proj's bias is its own)
+            if arch in ("SeedOssForCausalLM", "InternLM2ForCausalLM", "InternLM3ForCausalLM"):  # (o_proj's own)
                 o_bias = bool(cfg.get("attention_out_bias", False))
             if arch == "StableLmForCausalLM":  # (q, k and v's alone)
                 qkv_bias, o_bias = bool(cfg.get("use_qkv_bias", False)), False

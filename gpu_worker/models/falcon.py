@@ -23,7 +23,7 @@ import torch
 from gpu_worker.config import ModelConfig
 from gpu_worker.models.classic import GPTNeoXDecoderLayer
 from gpu_worker.models.llama import LlamaForCausalLM, LlamaModel
-from gpu_worker.models.renamed_checkpoint import RenamedCheckpoint
+from gpu_worker.models.renamed_checkpoint import RenamedCheckpoint, grouped_qkv
 
 
 class FalconDecoderLayer(GPTNeoXDecoderLayer):
@@ -57,10 +57,7 @@ class FalconForCausalLM(RenamedCheckpoint, LlamaForCausalLM):
         config = self.config
         heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         if config.raw.get("new_decoder_architecture"):  # ([kv heads, (its queries, k, v), head_dim] rows)
-            grouped = fused.view(kv_heads, heads // kv_heads + 2, head_dim, *fused.shape[1:])
-            return (grouped[:, :-2].reshape(heads * head_dim, *fused.shape[1:]),
-                    grouped[:, -2].reshape(kv_heads * head_dim, *fused.shape[1:]),
-                    grouped[:, -1].reshape(kv_heads * head_dim, *fused.shape[1:]))
+            return grouped_qkv(fused, heads, kv_heads, head_dim)
         if kv_heads == 1:  # (multi-query: the queries' rows, the key's, the value's)
             return tuple(fused.split([heads * head_dim, head_dim, head_dim]))
         return super().fused_qkv_parts(fused)  # (each head's q, k and v together)

@@ -27,6 +27,7 @@ from gpu_worker.models.deepseek import (
     MiniCPM3ForCausalLM,
 )
 from gpu_worker.models.eagle import EAGLE_HEADS
+from gpu_worker.models.exaone import ExaoneForCausalLM
 from gpu_worker.models.falcon import FalconForCausalLM
 from gpu_worker.models.falcon_h1 import FalconH1ForCausalLM
 from gpu_worker.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM, VaultGemmaForCausalLM
@@ -36,6 +37,7 @@ from gpu_worker.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
 from gpu_worker.models.gpt2 import GPT2LMHeadModel, GPTBigCodeForCausalLM, GPTJForCausalLM
 from gpu_worker.models.gpt_oss import GptOssForCausalLM
 from gpu_worker.models.idefics3 import Idefics3ForConditionalGeneration
+from gpu_worker.models.internlm import InternLM2ForCausalLM, InternLM3ForCausalLM
 from gpu_worker.models.internvl import internvl_class
 from gpu_worker.models.jamba import JambaForCausalLM
 from gpu_worker.models.language_model_only import language_model_class
@@ -185,6 +187,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
     "MiniCPM5MoeForCausalLM": MiniCPM5MoeForCausalLM,
     "Gemma3nForCausalLM": Gemma3nForCausalLM,
+    "InternLM2ForCausalLM": InternLM2ForCausalLM,
+    "InternLM3ForCausalLM": InternLM3ForCausalLM,
+    "ExaoneForCausalLM": ExaoneForCausalLM,
     "BertModel": BertModel,
     "RobertaModel": RobertaModel,
     "ModernBertModel": ModernBertModel,

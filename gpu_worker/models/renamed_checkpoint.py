@@ -28,6 +28,15 @@ def per_head_qkv(fused: torch.Tensor, heads: int, head_dim: int) -> tuple[torch.
     return tuple(per_head[:, i].reshape(heads * head_dim, *fused.shape[1:]) for i in range(3))
 
 
+def grouped_qkv(fused: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> tuple[torch.Tensor, ...]:
+    """Rows of [kv heads, (the group's queries, its k, its v), head_dim] (Falcon-40B's query_key_value,
+    InternLM2's wqkv) as q's, k's and v's."""
+    grouped = fused.view(kv_heads, heads // kv_heads + 2, head_dim, *fused.shape[1:])
+    return (grouped[:, :-2].reshape(heads * head_dim, *fused.shape[1:]),
+            grouped[:, -2].reshape(kv_heads * head_dim, *fused.shape[1:]),
+            grouped[:, -1].reshape(kv_heads * head_dim, *fused.shape[1:]))
+
+
 class RenamedCheckpoint:
     """Mixed into a causal LM before its base class. ``renames``: (theirs, ours) parts, applied in
     order; ``skipped``: suffixes of tensors not read (older checkpoints' causal-mask buffers);

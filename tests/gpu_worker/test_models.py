@@ -534,7 +534,8 @@ def test_registry_maps_architectures(tmp_path):
                                    "HunYuanDenseV1ForCausalLM", "DbrxForCausalLM",
                                    "VaultGemmaForCausalLM", "HunYuanMoEV1ForCausalLM", "MiniCPM3ForCausalLM",
                                    "MiniCPM5MoeForCausalLM", "MiniCPMForCausalLM", "Glm4MoeLiteForCausalLM",
-                                   "ExaoneMoeForCausalLM", "Gemma3nForCausalLM",
+                                   "ExaoneMoeForCausalLM", "Gemma3nForCausalLM", "InternLM2ForCausalLM",
+                                   "InternLM3ForCausalLM", "ExaoneForCausalLM",
                                    "BertModel",
                                    "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
