@@ -2247,7 +2247,9 @@ class ModelConfig:
     @property
     def num_attention_layers(self) -> int:
         """The layers that keep a KV cache (a Mamba-2 layer keeps a state per request instead, unless
-        it runs beside attention: Falcon-H1's)."""
+        it runs beside attention: Falcon-H1's; Gemma 3n's KV-sharing layers read another layer's)."""
+        if self.gemma3n is not None:
+            return sum(source is None for source in self.gemma3n.kv_sources)
         if self.parallel_hybrid:
             return self.num_hidden_layers
         if self.shared_attention_layers:

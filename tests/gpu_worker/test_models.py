@@ -1350,6 +1350,7 @@ def test_gemma3n_config_as_released():
     assert g.activation_sparsity == (0.95,) * 10 + (0.0,) * 20 and g.intermediate_sizes == (8192,) * 30
     assert config.attention_scale == 1.0 and config.final_logit_softcapping == 30.0 and config.tie_word_embeddings
     assert (config.rope_theta, config.local_rope_theta, config.head_dim) == (1000000.0, 10000.0, 256)
+    assert config.num_attention_layers == 20  # (the KV cache's: the sharing layers keep none)
     with pytest.raises(ValueError, match="no layer before 28"):
         ModelConfig.from_dict({**text, "architectures": ["Gemma3nForCausalLM"], "num_kv_shared_layers": 2,
                                "layer_types": ["sliding_attention"] * 28 + ["full_attention"] * 2})
