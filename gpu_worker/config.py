@@ -26,6 +26,13 @@ from gpu_worker.gemma3n_config import (
     gemma3n_config_from_dict,
     gemma3n_layer_types,
 )
+from gpu_worker.gemma4_config import (
+    GEMMA4_ROPE_DEFAULTS,
+    GEMMA4_TEXT_DEFAULTS,
+    Gemma4Config,
+    gemma4_config_from_dict,
+    gemma4_layer_types,
+)
 from gpu_worker.layers.rotary import yarn_mscale
 from gpu_worker.mamba_config import GatedDeltaNetConfig, Mamba1Config, Mamba2Config, ShortConvConfig
 from gpu_worker.quantized_checkpoint import weight_quantization
@@ -91,7 +98,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "VaultGemmaForCausalLM", "HunYuanMoEV1ForCausalLM", "MiniCPM3ForCausalLM",
                            "MiniCPM5MoeForCausalLM", "MiniCPMForCausalLM",
                            "Glm4MoeLiteForCausalLM", "ExaoneMoeForCausalLM", "Gemma3nForCausalLM",
-                           "InternLM2ForCausalLM", "InternLM3ForCausalLM", "ExaoneForCausalLM")
+                           "InternLM2ForCausalLM", "InternLM3ForCausalLM", "ExaoneForCausalLM",
+                           "Gemma4ForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -100,6 +108,7 @@ MAMBA1_LM_ARCHITECTURES = ("MambaForCausalLM", "FalconMambaForCausalLM")
 # Qwen3.5's, as its language model.
 TEXT_ONLY_DECODER_OF = {"Llama4ForConditionalGeneration": "Llama4ForCausalLM",
                         "Gemma3nForConditionalGeneration": "Gemma3nForCausalLM",
+                        "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
                         "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
                         "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}
 # Liquid AI's LFM2 (dense) and LFM2-MoE: gated short convolutions beside attention with q/k norms.
@@ -242,9 +251,10 @@ QWEN3_NEXT_DEFAULTS = {"head_dim": 256, "partial_rotary_factor": 0.25, "linear_c
                        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
                        "linear_num_value_heads": 32}
 GEMMA_ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "VaultGemmaForCausalLM",
-                       "Gemma3nForCausalLM")
-# Gemma 2 / 3 / 3n: Gemma 2's attention (windowed and full layers; their own attention scale).
-GEMMA_WINDOWED_ARCHITECTURES = ("Gemma2ForCausalLM", "VaultGemmaForCausalLM", "Gemma3ForCausalLM", "Gemma3nForCausalLM")
+                       "Gemma3nForCausalLM", "Gemma4ForCausalLM")
+# Gemma 2 / 3 / 3n / 4: Gemma 2's attention (windowed and full layers; their own attention scale).
+GEMMA_WINDOWED_ARCHITECTURES = ("Gemma2ForCausalLM", "VaultGemmaForCausalLM", "Gemma3ForCausalLM", "Gemma3nForCausalLM",
+                                "Gemma4ForCausalLM")
 # Gemma 2's configs: Gemma 2's and VaultGemma's (Gemma 2 without the norms after each sublayer).
 GEMMA2_ARCHITECTURES = ("Gemma2ForCausalLM", "VaultGemmaForCausalLM")
 OLMO_ARCHITECTURES = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoeForCausalLM")
@@ -328,7 +338,7 @@ GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
 MINISTRAL3_ROPE_DEFAULTS: dict[str, Any] = {
     "rope_type": "yarn", "rope_theta": 1_000_000.0, "factor": 16.0, "original_max_position_embeddings": 16_384,
     "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1}
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn", "proportional")
 # The MLP activations we compute (transformers' ACT2FN names): SwiGLU's silu, GeGLU's tanh-approximated
 # or exact gelu.
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
@@ -871,6 +881,14 @@ def _gemma_from_dict(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     with transformers' defaults for the keys a config leaves out; Gemma 3n's own (gemma3n_config)."""
     if arch not in GEMMA_WINDOWED_ARCHITECTURES:
         return {}
+    if arch == "Gemma4ForCausalLM":  # (its scores unscaled: its q/k norms set their size)
+        gemma4 = gemma4_config_from_dict(cfg)
+        return dict(query_pre_attn_scalar=1.0, attn_logit_softcapping=None,
+                    final_logit_softcapping=(None if cfg.get("final_logit_softcapping") is None
+                                             else float(cfg["final_logit_softcapping"])),
+                    local_rope_theta=_local_rope_theta(arch, cfg, 10000.0), gemma4=gemma4,
+                    attention_layer_geometry=tuple((gemma4.num_kv_heads[i], gemma4.head_dims[i])
+                                                   for i in gemma4.cache_layers))
     if arch == "Gemma3nForCausalLM":  # (its scores unscaled: its q/k norms set their size)
         return dict(query_pre_attn_scalar=1.0, attn_logit_softcapping=None,
                     final_logit_softcapping=(None if cfg.get("final_logit_softcapping") is None
@@ -2080,6 +2098,11 @@ class ModelConfig:
     mamba: Mamba2Config | Mamba1Config | GatedDeltaNetConfig | ShortConvConfig | None = None
     # Gemma 3n's AltUp streams, LAuReL, per-layer inputs, KV sharing and sparse gates (gemma3n_config).
     gemma3n: Gemma3nConfig | None = None
+    # Gemma 4's layers of their own heads, KV sharing, per-layer inputs and experts (gemma4_config).
+    gemma4: Gemma4Config | None = None
+    # (num_key_value_heads, head_dim) of each layer keeping a KV cache, where they differ between
+    # layers (Gemma 4's full layers); empty: every layer's are num_key_value_heads and head_dim.
+    attention_layer_geometry: tuple[tuple[int, int], ...] = ()
     mamba_layers: tuple[bool, ...] = ()
     # Falcon-H1: every layer runs attention and a Mamba-2 mixer side by side on the same input (their
     # outputs summed), so every layer keeps KV as well as a recurrent state.
@@ -2250,6 +2273,8 @@ class ModelConfig:
         it runs beside attention: Falcon-H1's; Gemma 3n's KV-sharing layers read another layer's)."""
         if self.gemma3n is not None:
             return sum(source is None for source in self.gemma3n.kv_sources)
+        if self.gemma4 is not None:
+            return len(self.gemma4.cache_layers)
         if self.parallel_hybrid:
             return self.num_hidden_layers
         if self.shared_attention_layers:
@@ -2378,6 +2403,10 @@ class ModelConfig:
             raise ValueError(f"architecture must be one of {known}, got {arch!r}")
         if arch == "Gemma3ForCausalLM":
             cfg = {**GEMMA3_TEXT_DEFAULTS, **cfg}
+        if arch == "Gemma4ForCausalLM":
+            cfg = {**GEMMA4_TEXT_DEFAULTS, **cfg}
+            cfg = {**cfg, "layer_types": gemma4_layer_types(cfg),
+                   "rope_parameters": {**GEMMA4_ROPE_DEFAULTS, **(cfg.get("rope_parameters") or {})}}
         if arch == "Gemma3nForCausalLM":  # (its MLP widths a list, one a layer: ModelConfig's the widest)
             cfg = {**GEMMA3N_TEXT_DEFAULTS, **cfg}
             widths = gemma3n_config_from_dict(cfg).intermediate_sizes
@@ -2520,7 +2549,8 @@ class ModelConfig:
         if arch == "Olmo3ForCausalLM" and scaling and scaling["rope_type"] == "longrope":
             # (LongRoPE picks rows by a shifted position, which its windowed layers' plain RoPE would not follow)
             raise ValueError("rope_type 'longrope' is not served for OLMo 3's full-attention layers")
-        if gemma and scaling and scaling["rope_type"] not in ("linear", "llama3"):
+        if gemma and scaling and scaling["rope_type"] not in ("linear", "llama3") \
+                and not (arch == "Gemma4ForCausalLM" and scaling["rope_type"] == "proportional"):
             raise ValueError(f"rope_type must be 'default', 'linear' or 'llama3' for {arch}, "
                              f"got {scaling['rope_type']!r}")
         params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
@@ -2644,6 +2674,7 @@ class ModelConfig:
             o_proj_bias=o_bias,
             mlp_bias=bool(cfg.get("mlp_bias", cfg.get("use_bias", False))),  # (ERNIE 4.5's use_bias covers its MLP too)
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Gemma3nForCausalLM",
+                             "Gemma4ForCausalLM",
                              "Dots1ForCausalLM",
                              *HUNYUAN_ARCHITECTURES)
             or (arch == "Glm4MoeForCausalLM" and bool(cfg.get("use_qk_norm", False)))

@@ -54,6 +54,23 @@ def gemma3n_layer_types(cfg: dict[str, Any]) -> list[str]:
     return kinds
 
 
+def kv_sources(kinds: list[str], shared: int) -> tuple[int | None, ...]:
+    """Each layer's source of keys and values under KV sharing (Gemma 3n's and Gemma 4's): None for
+    its own; for each of the last ``shared`` layers, the last earlier layer of its kind."""
+    layers = len(kinds)
+    first_shared = layers - shared
+    if not 0 <= shared < layers:
+        raise ValueError(f"num_kv_shared_layers must be below num_hidden_layers ({layers}), got {shared}")
+    sources: list[int | None] = [None] * layers
+    unshared = kinds[:first_shared]
+    for i in range(first_shared, layers):
+        if kinds[i] not in unshared:
+            raise ValueError(f"layer {i} shares the keys and values of the last earlier {kinds[i]} layer, and "
+                             f"no layer before {first_shared} is one")
+        sources[i] = first_shared - 1 - unshared[::-1].index(kinds[i])
+    return tuple(sources)
+
+
 def _per_layer(cfg: dict[str, Any], key: str, default: Any, layers: int) -> list[Any]:
     value = cfg.get(key, default)
     values = list(value) if isinstance(value, list | tuple) else [value] * layers
@@ -73,18 +90,7 @@ def gemma3n_config_from_dict(cfg: dict[str, Any]) -> Gemma3nConfig:
     sparsity = _per_layer({"activation_sparsity_pattern": sparsity}, "activation_sparsity_pattern", 0.0, layers)
     if any(not 0.0 <= float(s) < 1.0 for s in sparsity):
         raise ValueError(f"activation_sparsity_pattern values must lie in [0, 1), got {sparsity}")
-    shared = int(cfg.get("num_kv_shared_layers", 15))
-    first_shared = layers - shared
-    if not 0 <= shared < layers:
-        raise ValueError(f"num_kv_shared_layers must be below num_hidden_layers ({layers}), got {shared}")
-    sources: list[int | None] = [None] * layers
-    if shared:
-        unshared = kinds[:first_shared]
-        for i in range(first_shared, layers):
-            if kinds[i] not in unshared:
-                raise ValueError(f"layer {i} shares the keys and values of the last earlier {kinds[i]} layer, and "
-                                 f"no layer before {first_shared} is one")
-            sources[i] = first_shared - 1 - unshared[::-1].index(kinds[i])
+    sources = kv_sources(kinds, int(cfg.get("num_kv_shared_layers", 15)))
     altup = int(cfg.get("altup_num_inputs", 4))
     active = int(cfg.get("altup_active_idx", 0))
     if altup < 2 or not 0 <= active < altup:
@@ -101,4 +107,4 @@ def gemma3n_config_from_dict(cfg: dict[str, Any]) -> Gemma3nConfig:
             cfg, "layer_intermediate_sizes" if "layer_intermediate_sizes" in cfg else "intermediate_size", 16_384,
             layers)),
         activation_sparsity=tuple(float(s) for s in sparsity),
-        kv_sources=tuple(sources))
+        kv_sources=sources)

@@ -8,6 +8,8 @@ saturating conversion does. Attention reads them back into the model's dtype.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from gpu_worker.config import ModelConfig
@@ -59,7 +61,10 @@ def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads_per_
 def model_bytes_per_block(config: ModelConfig, block_size: int, tp_size: int, dtype: torch.dtype,
                           num_layers: int | None = None) -> int:
     """``num_layers``: the layers one pipeline stage holds (default: all that attend; recurrent layers
-    keep no KV)."""
+    keep no KV). A model whose layers' caches differ (ModelConfig.attention_layer_geometry) sums each's."""
+    if config.attention_layer_geometry:
+        return sum(kv_cache_bytes_per_block(1, block_size, num_kv_heads_per_rank(heads, tp_size), head_dim, dtype)
+                   for heads, head_dim in config.attention_layer_geometry)
     return kv_cache_bytes_per_block(config.num_attention_layers if num_layers is None else num_layers, block_size,
                                     num_kv_heads_per_rank(config.num_key_value_heads, tp_size),
                                     config.head_dim, dtype)
@@ -103,6 +108,14 @@ def copy_kv_blocks(src: list[tuple[torch.Tensor, torch.Tensor]], dst: list[tuple
     for i, cache in enumerate(dst):
         for j, tensor in enumerate(cache):
             tensor[dst_index] = rows[2 * i + j]  # (index_put: index_copy_ has no fp8 kernel on the CPU)
+
+
+def allocate_layer_kv_caches(layers: list[Any], num_blocks: int, block_size: int, dtype: torch.dtype,
+                             device: torch.device, pin_memory: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A cache for each attention layer, of its own heads and width (``num_kv_heads``, ``head_dim``:
+    Gemma 4's full layers' differ from its windowed ones')."""
+    return [allocate_kv_cache(1, num_blocks, block_size, layer.num_kv_heads, layer.head_dim, dtype, device,
+                              pin_memory)[0] for layer in layers]
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,

@@ -34,7 +34,7 @@ from gpu_worker.distributed import get_tp_rank
 from gpu_worker.draft_model import DraftModel, PassInputs
 from gpu_worker.encoder_metadata import EncoderMetadata
 from gpu_worker.hidden_state_drafter import HiddenStateDrafter
-from gpu_worker.kv_cache import FP8_DTYPES, allocate_kv_cache, copy_kv_blocks
+from gpu_worker.kv_cache import FP8_DTYPES, allocate_layer_kv_caches, copy_kv_blocks
 from gpu_worker.layers.mamba import MambaMixer2, MambaState, mamba_step_metadata
 from gpu_worker.layers.rotary import longrope_rows
 from gpu_worker.layers.weight_utils import WeightLike
@@ -365,14 +365,12 @@ class ModelRunner:
         if num_offload_blocks is not None and num_offload_blocks != self.num_offload_blocks:
             self.num_offload_blocks = num_offload_blocks
             # (Page-locked beside a CUDA cache: the device reads and writes it directly.)
-            self.offload_caches = allocate_kv_cache(
-                len(layers), num_offload_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim,
-                self.kv_cache_dtype, torch.device("cpu"),
+            self.offload_caches = allocate_layer_kv_caches(
+                layers, num_offload_blocks, block_size, self.kv_cache_dtype, torch.device("cpu"),
                 pin_memory=self.device.type == "cuda") if layers and num_offload_blocks else []
         # (An encoder attends within the pass: it has no layer to give a cache to, and the blocks
         # only count its tokens for the scheduler.)
-        self.kv_caches = allocate_kv_cache(len(layers), num_blocks, block_size, layers[0].num_kv_heads,
-                                           layers[0].head_dim, self.kv_cache_dtype, self.device) if layers else []
+        self.kv_caches = allocate_layer_kv_caches(layers, num_blocks, block_size, self.kv_cache_dtype, self.device)
         for layer, cache in zip(layers, self.kv_caches, strict=True):
             layer.kv_cache = cache
         self._bind_mamba_states(self.max_num_seqs)
@@ -396,8 +394,7 @@ class ModelRunner:
             lens.append(num_tokens % self.max_model_len)
         blocks_per_req = [-(-n // block_size) for n in lens]
         layers = self.model.attention_layers()
-        caches = allocate_kv_cache(len(layers), sum(blocks_per_req), block_size, layers[0].num_kv_heads,
-                                   layers[0].head_dim, self.kv_cache_dtype, self.device) if layers else []
+        caches = allocate_layer_kv_caches(layers, sum(blocks_per_req), block_size, self.kv_cache_dtype, self.device)
         saved = [layer.kv_cache for layer in layers]
         mixers = self.mamba_mixers
         saved_states = [mixer.state for mixer in mixers]

@@ -169,8 +169,9 @@ class FusedMoE(nn.Module):
             # What the checkpoint must provide (every expert, on every rank) for the parameter to count
             # as loaded.
             param.expected_shards = {(e, p) for e in range(num_experts) for p in projections}
-        if activation not in ("silu", "swigluoai", "relu2"):
-            raise ValueError(f"experts' activation must be 'silu', 'swigluoai' or 'relu2', got {activation!r}")
+        if activation not in ("silu", "swigluoai", "relu2", "gelu_pytorch_tanh"):
+            raise ValueError(f"experts' activation must be 'silu', 'swigluoai', 'relu2' or 'gelu_pytorch_tanh', "
+                             f"got {activation!r}")
         self.activation, self.swiglu_alpha, self.swiglu_limit = activation, swiglu_alpha, swiglu_limit
         # Llama 4's: each routing weight scales the token's input to its expert, not the expert's output.
         self.weights_on_inputs = weights_on_inputs
@@ -296,6 +297,8 @@ class FusedMoE(nn.Module):
         gate, up = gate_up.chunk(2, dim=-1)
         if self.activation == "swigluoai":
             return swiglu_oai(gate, up, self.swiglu_alpha, self.swiglu_limit)
+        if self.activation == "gelu_pytorch_tanh":  # (Gemma 4's experts)
+            return F.gelu(gate, approximate="tanh").mul_(up)
         return F.silu(gate).mul_(up)
 
     def _grouped(self, rows: torch.Tensor, offsets: torch.Tensor, row_experts: torch.Tensor) -> torch.Tensor:

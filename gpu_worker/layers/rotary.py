@@ -95,6 +95,12 @@ def compute_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None
         return _yarn_inv_freq(head_dim, theta, scaling)
     if rope_type == "linear":
         return inv_freq / float(scaling["factor"])
+    if rope_type == "proportional":
+        # Gemma 4's full layers: the first partial_rotary_factor of the frequencies of a whole head's
+        # RoPE (their exponents over the whole head_dim), the rest zero (those values do not turn).
+        angles = int(float(scaling.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+        rotated = 1.0 / theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / head_dim)
+        return torch.cat((rotated, torch.zeros(head_dim // 2 - angles))) / float(scaling.get("factor", 1.0))
     if rope_type == "ntk":  # fixed NTK (GTE's own code; vLLM's NTKScalingRotaryEmbedding without mixed_b)
         factor = float(scaling["factor"])
         return _inv_freq(head_dim, theta * factor) / factor ** (2 / head_dim)

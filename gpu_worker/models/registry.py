@@ -33,6 +33,7 @@ from gpu_worker.models.falcon_h1 import FalconH1ForCausalLM
 from gpu_worker.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM, VaultGemmaForCausalLM
 from gpu_worker.models.gemma3_vl import Gemma3VLForConditionalGeneration
 from gpu_worker.models.gemma3n import Gemma3nForCausalLM
+from gpu_worker.models.gemma4 import Gemma4ForCausalLM
 from gpu_worker.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
 from gpu_worker.models.gpt2 import GPT2LMHeadModel, GPTBigCodeForCausalLM, GPTJForCausalLM
 from gpu_worker.models.gpt_oss import GptOssForCausalLM
@@ -187,6 +188,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
     "MiniCPM5MoeForCausalLM": MiniCPM5MoeForCausalLM,
     "Gemma3nForCausalLM": Gemma3nForCausalLM,
+    "Gemma4ForCausalLM": Gemma4ForCausalLM,
     "InternLM2ForCausalLM": InternLM2ForCausalLM,
     "InternLM3ForCausalLM": InternLM3ForCausalLM,
     "ExaoneForCausalLM": ExaoneForCausalLM,

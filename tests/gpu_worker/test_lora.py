@@ -376,8 +376,9 @@ def test_an_adapter_on_glm4_gives_pefts_tokens(tmp_path):
     ("minicpm5_moe", ("q_gate_proj", "k_proj", "o_proj", "gate_proj", "down_proj"), {}),
     ("minicpm3", ("q_proj", "o_proj", "down_proj"), {"q_lora_rank": None}),
     ("gemma3n", ("q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"), {}),
+    ("gemma4", ("q_proj", "k_proj", "o_proj", "up_proj", "down_proj"), {"attention_k_eq_v": False}),
 ], ids=["arcee", "starcoder2", "llama4", "phi", "gpt_neox", "gpt2", "gpt_bigcode_multi_head", "gptj", "opt",
-        "falcon_40b_style", "bloom", "mpt", "minicpm5_moe", "minicpm3", "gemma3n"])
+        "falcon_40b_style", "bloom", "mpt", "minicpm5_moe", "minicpm3", "gemma3n", "gemma4"])
 def test_adapters_on_ungated_mlps_and_renamed_projections_give_pefts_tokens(tmp_path, kind, targets, overrides):
     """Arcee's, StarCoder2's, Phi's, GPT-NeoX's, the GPT family's and OPT's ungated MLPs (their
     projections looked up where LoRA wraps them), projections of other names (Llama 4's feed_forward:

@@ -305,6 +305,18 @@ CASES = {
         "intermediate_size": 96, "tie_word_embeddings": False}),
     "gemma3n_mqa_capped_sharper_gates": ("gemma3n", {"num_key_value_heads": 1, "final_logit_softcapping": 5.0,
                                                      "activation_sparsity_pattern": [0.95, 0.3, 0.0, 0.0]}),
+    # Gemma 4: windowed layers and full ones of their own heads (wider, one KV head whose values are the
+    # keys' projection, proportional RoPE), KV sharing with double-wide MLPs, per-layer inputs, experts
+    # beside each MLP, capped logits; then none of those extras (untied); then MQA everywhere, full heads
+    # of 24 with half of them turning.
+    "gemma4": ("gemma4", {}),
+    "gemma4_plain": ("gemma4", {"enable_moe_block": False, "hidden_size_per_layer_input": 0,
+                                "attention_k_eq_v": False, "num_kv_shared_layers": 0, "use_double_wide_mlp": False,
+                                "final_logit_softcapping": None, "tie_word_embeddings": False}),
+    "gemma4_mqa_half_rotary_full_heads": ("gemma4", {
+        "num_key_value_heads": 1, "global_head_dim": 24, "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 1000000.0}}}),
     "exaone4": ("exaone4", {}),
     "exaone4_no_window": ("exaone4", {"sliding_window": None, "layer_types": ["full_attention"] * 4}),
     # K-EXAONE: EXAONE 4.0's attention in pre-norm layers, DeepSeek-V3's experts beside a shared one after
@@ -535,7 +547,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "VaultGemmaForCausalLM", "HunYuanMoEV1ForCausalLM", "MiniCPM3ForCausalLM",
                                    "MiniCPM5MoeForCausalLM", "MiniCPMForCausalLM", "Glm4MoeLiteForCausalLM",
                                    "ExaoneMoeForCausalLM", "Gemma3nForCausalLM", "InternLM2ForCausalLM",
-                                   "InternLM3ForCausalLM", "ExaoneForCausalLM",
+                                   "InternLM3ForCausalLM", "ExaoneForCausalLM", "Gemma4ForCausalLM",
                                    "BertModel",
                                    "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
@@ -1356,15 +1368,49 @@ def test_gemma3n_config_as_released():
                                "layer_types": ["sliding_attention"] * 28 + ["full_attention"] * 2})
 
 
-def test_a_gemma3n_vision_and_audio_checkpoint_is_served_on_its_language_model(tmp_path):
-    """Gemma3nForConditionalGeneration's files (the language model under model.language_model., towers
-    beside it, a sharing layer's unused k/v projections kept as released): its towers and those
-    projections are not read; the logits are the text model's."""
+def test_gemma4_config_as_released():
+    """A Gemma 4 config as Google's releases state it (global_head_dim and num_global_key_value_heads,
+    not transformers' per_layer_config; transformers' defaults otherwise, under
+    Gemma4ForConditionalGeneration): five windowed layers of 256-wide heads to one full of 512-wide
+    heads (its own KV heads, values the keys' projection), the last layer full; proportional RoPE over
+    a quarter of the full heads; the KV cache's bytes each layer's own; experts where the config asks."""
+    from gpu_worker.kv_cache import model_bytes_per_block
+
+    text = {"model_type": "gemma4_text", "num_hidden_layers": 30, "global_head_dim": 512,
+            "num_global_key_value_heads": 1, "attention_k_eq_v": True, "num_kv_shared_layers": 10,
+            "hidden_size_per_layer_input": 256, "use_double_wide_mlp": True}
+    config = ModelConfig.from_dict({"architectures": ["Gemma4ForConditionalGeneration"], "text_config": text,
+                                    "vision_config": {"model_type": "gemma4_vision"}})
+    g = config.gemma4
+    assert config.architecture == "Gemma4ForCausalLM" and config.vision is None and g is not None
+    assert config.sliding_window_layers == ((True,) * 5 + (False,)) * 5
+    assert g.head_dims[:6] == (256,) * 5 + (512,) and g.num_kv_heads[:6] == (4,) * 5 + (1,)
+    assert g.k_eq_v[:6] == (False,) * 5 + (True,) and g.kv_sources[20:] == (19, 19, 19, 17) + (19,) * 5 + (17,)
+    assert g.intermediate_sizes[19:21] == (9216, 18432) and g.hidden_size_per_layer_input == 256
+    assert config.rope_scaling == {"rope_type": "proportional", "partial_rotary_factor": 0.25}
+    assert (config.rope_theta, config.local_rope_theta, config.attention_scale) == (1000000.0, 10000.0, 1.0)
+    assert config.num_attention_layers == 20 and g.num_experts == 0 and config.final_logit_softcapping is None
+    geometry = [(g.num_kv_heads[i], g.head_dims[i]) for i in range(20)]
+    assert config.attention_layer_geometry == tuple(geometry)
+    assert model_bytes_per_block(config, 16, 1, torch.bfloat16) == sum(2 * 16 * h * d * 2 for h, d in geometry)
+    moe = ModelConfig.from_dict({**text, "architectures": ["Gemma4ForCausalLM"], "enable_moe_block": True,
+                                 "num_experts": 128, "top_k_experts": 8, "moe_intermediate_size": 704})
+    assert (moe.gemma4.num_experts, moe.gemma4.top_k_experts, moe.gemma4.moe_intermediate_size) == (128, 8, 704)
+    with pytest.raises(ValueError, match="top_k_experts"):
+        ModelConfig.from_dict({**text, "architectures": ["Gemma4ForCausalLM"], "enable_moe_block": True,
+                               "num_experts": 128})
+
+
+@pytest.mark.parametrize("kind", ["gemma3n", "gemma4"])
+def test_a_gemma_vision_and_audio_checkpoint_is_served_on_its_language_model(tmp_path, kind):
+    """Gemma3nForConditionalGeneration's and Gemma4ForConditionalGeneration's files (the language model
+    under model.language_model., towers beside it, a sharing layer's unused k/v projections kept as
+    released): its towers and those projections are not read; the logits are the text model's."""
     import json
 
     from safetensors.torch import load_file, save_file
 
-    path = save_tiny_model(tmp_path / "text", "gemma3n")
+    path = save_tiny_model(tmp_path / "text", kind)
     text = json.loads((path / "config.json").read_text())
     tensors = {f"model.language_model.{name[len('model.'):]}": t
                for name, t in load_file(path / "model.safetensors").items()}
@@ -1376,8 +1422,8 @@ def test_a_gemma3n_vision_and_audio_checkpoint_is_served_on_its_language_model(t
     multimodal.mkdir()
     save_file(tensors, multimodal / "model.safetensors", metadata={"format": "pt"})
     (multimodal / "config.json").write_text(json.dumps({
-        "architectures": ["Gemma3nForConditionalGeneration"], "model_type": "gemma3n", "text_config": text,
-        "vision_config": {"model_type": "gemma3n_vision"}, "audio_config": {"model_type": "gemma3n_audio"}}))
+        "architectures": [f"{kind.capitalize()}ForConditionalGeneration"], "model_type": kind, "text_config": text,
+        "vision_config": {"model_type": f"{kind}_vision"}, "audio_config": {"model_type": f"{kind}_audio"}}))
     tokens = [(7 * i + 3) % 256 for i in range(21)]
     expected = prefill_logits(make_runner(path), tokens, list(range(6)))
     torch.testing.assert_close(prefill_logits(make_runner(multimodal), tokens, list(range(6))), expected)

@@ -120,6 +120,7 @@ def _drive(workers_execute, prompts: dict[str, list[int]], num_blocks: int, spec
     ("glm4_moe_lite", {}, True),
     ("exaone_moe", {}, True),
     ("gemma3n", {}, False),
+    ("gemma4", {}, True),
 ], ids=["llama", "qwen2_moe", "qwen2_moe_expert_parallel", "gemma2", "gpt_oss", "gpt_oss_expert_parallel", "olmo2",
         "glm4_moe", "glm4_moe_expert_parallel", "deepseek_v3", "deepseek_v2_expert_parallel", "olmoe_expert_parallel",
         "granitemoe_expert_parallel", "minimax_m2", "cohere_qk_norm", "glm4", "exaone4",
@@ -128,7 +129,8 @@ def _drive(workers_execute, prompts: dict[str, list[int]], num_blocks: int, spec
         "gpt_bigcode_multi_query", "gptj", "falcon_40b_style", "bloom",
         "flex_olmo_expert_parallel", "dbrx", "hunyuan_moe_expert_parallel", "minicpm3",
         "minicpm5_moe_expert_parallel", "glm4_moe_lite_expert_parallel",
-        "exaone_moe_expert_parallel", "gemma3n"])
+        "exaone_moe_expert_parallel", "gemma3n",
+        "gemma4_expert_parallel"])
 def test_tp2_over_gloo_equals_tp1(tmp_path, kind, overrides, expert_parallel):
     """Qwen2-MoE: each rank holds half of every expert (or, with expert parallelism, half of the
     experts whole) and half of the shared expert; one all-reduce per layer sums their outputs.
@@ -174,7 +176,9 @@ def test_tp2_over_gloo_equals_tp1(tmp_path, kind, overrides, expert_parallel):
         ray.get([w.initialize_cache.remote(40, 4) for w in ranks])
         if expert_parallel:
             def first_expert(worker):
-                return worker.runner.model.model.layers[1].mlp.experts.first_expert
+                layer = worker.runner.model.model.layers[1]  # (Gemma 4's experts beside its MLP)
+                experts = layer.experts if getattr(layer, "experts", None) is not None else layer.mlp.experts
+                return experts.first_expert
 
             assert ray.get([w.__ray_call__.remote(first_expert) for w in ranks]) == [0, 4]
 

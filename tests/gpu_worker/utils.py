@@ -35,6 +35,7 @@ from transformers import (
     Gemma3Config,
     Gemma3nTextConfig,
     Gemma3TextConfig,
+    Gemma4TextConfig,
     GemmaConfig,
     Glm4Config,
     Glm4MoeConfig,
@@ -566,6 +567,19 @@ def make_config(kind: str = "llama", **overrides):
                                     "activation_sparsity_pattern": [0.6, 0.0, 0.6, 0.0],
                                     "intermediate_size": [128, 96, 64, 128], "pad_token_id": 0, "bos_token_id": 1,
                                     "eos_token_id": 2, **kw, "num_hidden_layers": 4})
+    # Gemma 4: windowed layers of 16-wide heads, full ones of 32-wide heads (one KV head, its values the
+    # keys' projection; proportional RoPE over a quarter of each), a window of 8, the last two layers
+    # sharing the first two's caches with MLPs twice as wide, per-layer inputs of 8 values, 8 experts
+    # of 32 (2 a token) beside each MLP, logits capped at 30.
+    if kind == "gemma4":
+        return Gemma4TextConfig(**{"head_dim": 16, "global_head_dim": 32, "num_global_key_value_heads": 1,
+                                   "attention_k_eq_v": True, "sliding_window": 8, "num_kv_shared_layers": 2,
+                                   "layer_types": ["sliding_attention", "full_attention"] * 2,
+                                   "use_double_wide_mlp": True, "hidden_size_per_layer_input": 8,
+                                   "vocab_size_per_layer_input": 256, "enable_moe_block": True, "num_experts": 8,
+                                   "top_k_experts": 2, "moe_intermediate_size": 32, "final_logit_softcapping": 30.0,
+                                   "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw,
+                                   "num_hidden_layers": 4})
     if kind == "gemma3_vlm":
         # Gemma 3 4B+: the text decoder under a vision-language model, with a one-layer vision tower.
         text = make_config("gemma3", **overrides).to_dict()
@@ -601,9 +615,13 @@ def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides)
             # skipped or scaled by w alone.
             if kind.startswith("gemma") and name.endswith("norm.weight"):
                 param.normal_(0.0, 0.5)
-            # Gemma 3n's AltUp output scale starts at 0, which would hide its per-layer inputs.
-            if name.endswith("altup.correct_output_scale"):
+            # Gemma 3n's AltUp output scale starts at 0, which would hide its per-layer inputs; Gemma 4's
+            # router scales start at 1.
+            if name.endswith(("altup.correct_output_scale", "router.scale", "router.per_expert_scale")):
                 param.normal_(1.0, 0.5)
+        for name, buffer in model.named_buffers():  # (Gemma 4's layer scalars: 1 would hide them)
+            if name.endswith("layer_scalar"):
+                buffer.uniform_(0.5, 1.5)
             # Mamba-2's per-head scalars and its gated norm start at fixed values (A = -1..-heads, D
             # and dt's bias 1, norm 1): drawn apart so each head's are read as its own.
             if name.endswith(("mamba.A_log", "mamba.D", "mamba.dt_bias", "mamba.conv1d.bias", "mixer.A_log",
