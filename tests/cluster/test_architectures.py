@@ -55,6 +55,31 @@ def test_greedy_tokens_equal_transformers_through_chunks_preemption_and_the_pref
     assert stats.prefix_cache_hits > 0 and stats.num_free_blocks == stats.num_blocks
 
 
+def test_gemma4s_caches_of_two_geometries_go_to_the_host_tier_and_back(tmp_path):
+    """Gemma 4's KV cache keeps each layer's own geometry (its full layers' heads wider and fewer): a
+    prompt whose blocks other prompts pushed out of the device cache finds them in the host tier
+    (blocks of both kinds stored and loaded back), and the greedy tokens stay transformers'."""
+    from cluster import LLM
+
+    path = _model(tmp_path, "gemma4")
+    first = [(11 * i + 5) % 256 for i in range(45)]
+    others = [[(13 * i + j) % 256 for i in range(45)] for j in range(3)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    llm = LLM(model=str(path), dtype="float32", block_size=4, num_gpu_blocks=16, max_model_len=64,
+              kv_offloading_size=0.001)
+    try:
+        before = llm.generate([first], params, use_tqdm=False)
+        llm.generate(others, params, use_tqdm=False)  # (their blocks push the first prompt's out)
+        again = llm.generate([first], params, use_tqdm=False)
+        stats = llm.get_stats()[0]
+    finally:
+        llm.shutdown()
+    with torch.no_grad():
+        expected = hf_greedy(load_hf(path), first, 6)
+    assert again[0].outputs[0].token_ids == before[0].outputs[0].token_ids == expected
+    assert again[0].num_cached_tokens >= 32 and stats.kv_offload_loaded_blocks >= 8
+
+
 @pytest.mark.parametrize("kind", ["granitemoehybrid", "bamba", "nemotron_h", "nemotron_h_moe", "mamba2",
                                   "qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe", "falcon_h1", "mamba",
                                   "falcon_mamba", "jamba", "zamba2"])
