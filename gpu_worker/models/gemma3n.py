@@ -156,14 +156,25 @@ class Gemma3nMLP(nn.Module):
         return self.down_proj.forward(F.gelu(gate, approximate="tanh") * up)
 
 
-class Gemma3nAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, g: Gemma3nConfig) -> None:
+# The keys and values (and attention, with its cache) of the layers computing their own in a pass, by
+# layer: what the layers sharing them read.
+Shared = dict[int, tuple[torch.Tensor, torch.Tensor, PagedAttention]]
+
+
+class KVSharingAttention(nn.Module):
+    """Gemma 3n's and Gemma 4's attention: q/k/v normed per head (v without a scale), RoPE on q and k;
+    a layer whose ``source`` is another computes queries alone and attends over that layer's keys,
+    values and cache (its PagedAttention), keeping none of its own. ``head_dim`` and ``num_kv_heads``
+    are the layer's own (Gemma 4's full layers' differ)."""
+
+    def __init__(self, config: ModelConfig, layer: int, head_dim: int, num_kv_heads: int,
+                 source: int | None) -> None:
         super().__init__()
-        hd = self.head_dim = config.head_dim
-        self.source = g.kv_sources[layer]
+        hd = self.head_dim = head_dim
+        self.source = source
         if self.source is None:
             self.qkv_proj = QKVParallelLinear(config.hidden_size, hd, config.num_attention_heads,
-                                              config.num_key_value_heads, bias=config.qkv_bias)
+                                              num_kv_heads, bias=config.qkv_bias)
             self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
             self.k_norm = Gemma3nRMSNorm(hd, config.rms_norm_eps)
             self.v_norm = Gemma3nRMSNorm(hd, config.rms_norm_eps, with_scale=False)
@@ -178,8 +189,8 @@ class Gemma3nAttention(nn.Module):
         self.q_norm = Gemma3nRMSNorm(hd, config.rms_norm_eps)
         self.o_proj = RowParallelLinear(config.num_attention_heads * hd, config.hidden_size, bias=config.qkv_bias)
 
-    def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, meta: AttentionMetadata,
-                shared: dict[int, tuple[torch.Tensor, torch.Tensor, PagedAttention]], layer: int) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, meta: AttentionMetadata, shared: Shared,
+                layer: int) -> torch.Tensor:
         tokens, hd = hidden.shape[0], self.head_dim
         if self.source is None:
             q_size, kv_size = self.num_heads * hd, self.num_kv_heads * hd
@@ -206,7 +217,8 @@ class Gemma3nDecoderLayer(nn.Module):
         self.active = g.altup_active_idx
         self.correct_scale = g.altup_correct_scale
         self.local_rope = bool(config.sliding_window_layers) and config.sliding_window_layers[layer]
-        self.self_attn = Gemma3nAttention(config, layer, g)
+        self.self_attn = KVSharingAttention(config, layer, config.head_dim, config.num_key_value_heads,
+                                            g.kv_sources[layer])
         self.mlp = Gemma3nMLP(config, g.intermediate_sizes[layer], g.activation_sparsity[layer])
         self.input_layernorm = Gemma3nRMSNorm(hidden, eps)
         self.post_attention_layernorm = Gemma3nRMSNorm(hidden, eps)
@@ -219,8 +231,7 @@ class Gemma3nDecoderLayer(nn.Module):
         self.post_per_layer_input_norm = Gemma3nRMSNorm(hidden, eps)
 
     def forward(self, rope: tuple[torch.Tensor, ...], streams: torch.Tensor, per_layer_input: torch.Tensor,
-                meta: AttentionMetadata, shared: dict[int, tuple[torch.Tensor, torch.Tensor, PagedAttention]],
-                ) -> torch.Tensor:
+                meta: AttentionMetadata, shared: Shared) -> torch.Tensor:
         predictions = self.altup.predict(streams)
         active = predictions[self.active]
         normed = self.input_layernorm.forward(active)
@@ -239,68 +250,88 @@ class Gemma3nDecoderLayer(nn.Module):
         return corrected
 
 
-class Gemma3nModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+class PerLayerInputsModel(nn.Module):
+    """The embedding and the per-layer inputs of Gemma 3n's and Gemma 4's decoders (``per_layer``: each
+    layer's width of them, 0 for none): the table of num_layers x per_layer values per token id (ids
+    past its vocab_size read row 0, as Gemma 3n's do), scaled by sqrt(per_layer); the projection of
+    the token's embedding, normed. ``dtype_scalars``: their scalars rounded to the model's dtype first
+    (Gemma 3n's, as buffers), else as Python floats (Gemma 4's)."""
+
+    def __init__(self, config: ModelConfig, family: str, per_layer: int, per_layer_vocab: int,
+                 dtype_scalars: bool, full_head_dim: int) -> None:
         super().__init__()
         if distributed.get_pp_world_size() > 1:
-            raise ValueError("Gemma3nForCausalLM is not served under pipeline parallelism (its AltUp streams and "
-                             "shared KV caches cross the stages)")
-        g = config.gemma3n
-        assert g is not None
-        self.g = g
+            raise ValueError(f"{family} is not served under pipeline parallelism (its shared KV caches cross the "
+                             "stages)")
         self.stage = PipelineStage(config)
-        hidden, per_layer = config.hidden_size, g.hidden_size_per_layer_input
-        self.num_layers = config.num_hidden_layers
+        hidden = config.hidden_size
+        self.num_layers, self.per_layer, self.per_layer_vocab = config.num_hidden_layers, per_layer, per_layer_vocab
+        self.dtype_scalars = dtype_scalars
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden)
         self.register_buffer("embed_scale", torch.tensor(hidden ** 0.5), persistent=False)
-        # The per-layer inputs' table: one row of num_layers x per_layer values per token id below
-        # vocab_size_per_layer_input (others read row 0), scaled by sqrt(per_layer).
-        self.embed_tokens_per_layer = VocabParallelEmbedding(g.vocab_size_per_layer_input, self.num_layers * per_layer)
-        self.register_buffer("per_layer_embed_scale", torch.tensor(per_layer ** 0.5), persistent=False)
-        self.per_layer_model_projection = nn.Linear(hidden, self.num_layers * per_layer,
-                                                    bias=False).requires_grad_(False)
-        self.per_layer_projection_norm = Gemma3nRMSNorm(per_layer, config.rms_norm_eps)
+        self.embed_tokens_per_layer = self.per_layer_model_projection = self.per_layer_projection_norm = None
+        if per_layer:
+            self.embed_tokens_per_layer = VocabParallelEmbedding(per_layer_vocab, self.num_layers * per_layer)
+            self.register_buffer("per_layer_embed_scale", torch.tensor(per_layer ** 0.5), persistent=False)
+            self.per_layer_model_projection = nn.Linear(hidden, self.num_layers * per_layer,
+                                                        bias=False).requires_grad_(False)
+            self.per_layer_projection_norm = Gemma3nRMSNorm(per_layer, config.rms_norm_eps)
+        # The full layers' RoPE (rope_theta and its scaling, over their heads) and the windowed layers'
+        # (plain, of their own base).
+        self.rotary_emb = RotaryEmbedding(full_head_dim, config.max_context_len, config.rope_theta,
+                                          config.rope_scaling)
+        self.local_rotary_emb = RotaryEmbedding(config.head_dim, config.max_context_len,
+                                                config.local_rope_theta or 10000.0)
+        self.norm = Gemma3nRMSNorm(hidden, config.rms_norm_eps)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens.forward(input_ids) * self.embed_scale.to(self.embed_tokens.weight.dtype)
+
+    def _scalar(self, value: float, dtype: torch.dtype) -> torch.Tensor | float:
+        return torch.tensor(value, dtype=dtype) if self.dtype_scalars else value
+
+    def per_layer_inputs(self, input_ids: torch.Tensor | None, embeds: torch.Tensor) -> torch.Tensor | None:
+        """[tokens, layers, per_layer] (None without them): the normed projection of the embeddings,
+        plus (with the token ids) their per-layer rows, times 1 / sqrt(2); prompt embeddings given
+        without ids take the projection alone, as transformers does."""
+        if self.per_layer_model_projection is None or self.per_layer_projection_norm is None:
+            return None
+        projection = self.per_layer_model_projection(embeds) * self._scalar(embeds.shape[-1] ** -0.5, embeds.dtype)
+        projection = self.per_layer_projection_norm.forward(projection.reshape(-1, self.num_layers, self.per_layer))
+        if input_ids is None or self.embed_tokens_per_layer is None:
+            return projection
+        ids = torch.where(input_ids < self.per_layer_vocab, input_ids, torch.zeros_like(input_ids))
+        rows = self.embed_tokens_per_layer.forward(ids) * self.per_layer_embed_scale.to(embeds.dtype)
+        return (projection + rows.reshape(-1, self.num_layers, self.per_layer)) * self._scalar(2.0 ** -0.5,
+                                                                                                embeds.dtype)
+
+
+class Gemma3nModel(PerLayerInputsModel):
+    def __init__(self, config: ModelConfig) -> None:
+        g = config.gemma3n
+        assert g is not None
+        super().__init__(config, "Gemma3nForCausalLM", g.hidden_size_per_layer_input, g.vocab_size_per_layer_input,
+                         dtype_scalars=True, full_head_dim=config.head_dim)
+        self.g = g
+        hidden = config.hidden_size
         self.altup_projections = nn.ModuleList(nn.Linear(hidden, hidden, bias=False).requires_grad_(False)
                                                for _ in range(1, g.altup_num_inputs))
         self.altup_unembed_projections = nn.ModuleList(nn.Linear(hidden, hidden, bias=False).requires_grad_(False)
                                                        for _ in range(1, g.altup_num_inputs))
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_context_len, config.rope_theta,
-                                          config.rope_scaling)
-        self.local_rotary_emb = RotaryEmbedding(config.head_dim, config.max_context_len,
-                                                config.local_rope_theta or 10000.0)
         self.layers = nn.ModuleList(Gemma3nDecoderLayer(config, i, g) for i in range(self.num_layers))
-        self.norm = Gemma3nRMSNorm(hidden, config.rms_norm_eps)
-
-    def per_layer_inputs(self, input_ids: torch.Tensor | None, embeds: torch.Tensor) -> torch.Tensor:
-        """[tokens, layers, per_layer]: the projection of the tokens' embeddings, normed, plus (with the
-        token ids) their per-layer rows, times 1 / sqrt(2); prompt embeddings given without ids take
-        the projection alone, as transformers does."""
-        per_layer = self.g.hidden_size_per_layer_input
-        projection = self.per_layer_model_projection(embeds) * torch.tensor(embeds.shape[-1] ** -0.5,
-                                                                             dtype=embeds.dtype)
-        projection = self.per_layer_projection_norm.forward(projection.reshape(-1, self.num_layers, per_layer))
-        if input_ids is None:
-            return projection
-        ids = torch.where(input_ids < self.g.vocab_size_per_layer_input, input_ids, torch.zeros_like(input_ids))
-        rows = (self.embed_tokens_per_layer.forward(ids) * self.per_layer_embed_scale.to(embeds.dtype))
-        return (projection + rows.reshape(-1, self.num_layers, per_layer)) * torch.tensor(2.0 ** -0.5,
-                                                                                           dtype=embeds.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 inputs_embeds: torch.Tensor | None = None,
                 intermediate: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         assert intermediate is None  # (one pipeline stage)
-        if inputs_embeds is None:
-            embeds = self.embed_tokens.forward(input_ids) * self.embed_scale.to(self.embed_tokens.weight.dtype)
-            per_layer_inputs = self.per_layer_inputs(input_ids, embeds)
-        else:
-            embeds = inputs_embeds
-            per_layer_inputs = self.per_layer_inputs(None, embeds)
+        embeds = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        per_layer_inputs = self.per_layer_inputs(None if inputs_embeds is not None else input_ids, embeds)
+        assert per_layer_inputs is not None
         magnitude = torch.mean(embeds ** 2, dim=-1, keepdim=True) ** 0.5
         streams = torch.stack([embeds, *(_scaled_to(proj(embeds), magnitude) for proj in self.altup_projections)])
         rope = self.rotary_emb.cos_sin(positions)
         local = self.local_rotary_emb.cos_sin(positions)
-        shared: dict[int, tuple[torch.Tensor, torch.Tensor, PagedAttention]] = {}
+        shared: Shared = {}
         for i, layer in enumerate(self.layers):
             streams = layer.forward(local if layer.local_rope else rope, streams, per_layer_inputs[:, i], meta,
                                     shared)
@@ -308,6 +339,24 @@ class Gemma3nModel(nn.Module):
         unembedded = [streams[0], *(_scaled_to(proj(streams[i + 1]), magnitude)
                                     for i, proj in enumerate(self.altup_unembed_projections))]
         return self.norm.forward(torch.stack(unembedded).mean(dim=0))
+
+
+def language_model_tensors(weights: Iterable[tuple[str, WeightLike]],
+                           kv_sources: tuple[int | None, ...]) -> Iterator[tuple[str, WeightLike]]:
+    """A Gemma 3n or Gemma 4 checkpoint's language model as ours: read under the vision-language
+    checkpoint's prefix, the towers skipped, and the sharing layers' own key and value projections
+    and norms (never computed, as in transformers) not read (their q_proj is a projection of that
+    name, not a shard of a fused one)."""
+    sharing = {f"model.layers.{i}.self_attn." for i, source in enumerate(kv_sources) if source is not None}
+    for name, tensor in weights:
+        if name.startswith(_TOWER_PREFIXES):
+            continue
+        if name.startswith(_LANGUAGE_MODEL_PREFIX):
+            name = "model." + name[len(_LANGUAGE_MODEL_PREFIX):]
+        prefix = name[: name.find(".self_attn.") + len(".self_attn.")] if ".self_attn." in name else ""
+        if prefix in sharing and name[len(prefix):].split(".", 1)[0] in ("k_proj", "v_proj", "k_norm", "v_norm"):
+            continue
+        yield name, tensor
 
 
 class Gemma3nForCausalLM(GemmaForCausalLM):
@@ -319,19 +368,8 @@ class Gemma3nForCausalLM(GemmaForCausalLM):
                               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
-        sources = self.config.gemma3n.kv_sources if self.config.gemma3n else ()
-        sharing = {f"model.layers.{i}.self_attn." for i, source in enumerate(sources) if source is not None}
-        for name, tensor in weights:
-            if name.startswith(_TOWER_PREFIXES):
-                continue
-            if name.startswith(_LANGUAGE_MODEL_PREFIX):
-                name = "model." + name[len(_LANGUAGE_MODEL_PREFIX):]
-            prefix = name[: name.find(".self_attn.") + len(".self_attn.")] if ".self_attn." in name else ""
-            # (A sharing layer's own keys and values are never computed, as in transformers: not read.
-            # Its q_proj is a projection of that name, not a shard of a fused one.)
-            if prefix in sharing and name[len(prefix):].split(".", 1)[0] in ("k_proj", "v_proj", "k_norm", "v_norm"):
-                continue
-            yield name, tensor
+        assert self.config.gemma3n is not None
+        return language_model_tensors(weights, self.config.gemma3n.kv_sources)
 
     def attention_layers(self) -> list[PagedAttention]:
         """The layers holding a cache: those computing their own keys and values."""

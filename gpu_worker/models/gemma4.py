@@ -35,75 +35,17 @@ from gpu_worker.attn_metadata import AttentionMetadata
 from gpu_worker.config import ModelConfig
 from gpu_worker.gemma4_config import Gemma4Config
 from gpu_worker.layers.attention import PagedAttention
-from gpu_worker.layers.embedding import VocabParallelEmbedding
 from gpu_worker.layers.fused_moe import FusedMoE
-from gpu_worker.layers.linear import (
-    ColumnParallelLinear,
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-)
-from gpu_worker.layers.rotary import RotaryEmbedding
 from gpu_worker.layers.weight_utils import WeightLike
 from gpu_worker.models.gemma import GemmaForCausalLM
-from gpu_worker.models.gemma3n import Gemma3nRMSNorm
-from gpu_worker.models.llama import PipelineStage
-
-_TOWER_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
-_LANGUAGE_MODEL_PREFIX = "model.language_model."
-Shared = dict[int, tuple[torch.Tensor, torch.Tensor, PagedAttention]]
-
-
-class Gemma4Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, g: Gemma4Config) -> None:
-        super().__init__()
-        hd = self.head_dim = g.head_dims[layer]
-        self.source = g.kv_sources[layer]
-        heads = config.num_attention_heads
-        if self.source is None:
-            self.qkv_proj = QKVParallelLinear(config.hidden_size, hd, heads, g.num_kv_heads[layer],
-                                              bias=config.qkv_bias)
-            self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-            self.k_norm = Gemma3nRMSNorm(hd, config.rms_norm_eps)
-            self.v_norm = Gemma3nRMSNorm(hd, config.rms_norm_eps, with_scale=False)
-            self.attn: PagedAttention | None = PagedAttention(self.num_heads, self.num_kv_heads, hd,
-                                                              config.attention_scale,
-                                                              config.layer_sliding_window(layer))
-        else:  # (queries only: the keys and values are the source layer's, through its attention)
-            self.q_proj = ColumnParallelLinear(config.hidden_size, heads * hd, bias=config.qkv_bias)
-            self.num_heads = self.q_proj.output_size_per_partition // hd
-            self.attn = None
-        self.q_norm = Gemma3nRMSNorm(hd, config.rms_norm_eps)
-        self.o_proj = RowParallelLinear(heads * hd, config.hidden_size, bias=config.qkv_bias)
-
-    def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, meta: AttentionMetadata, shared: Shared,
-                layer: int) -> torch.Tensor:
-        tokens, hd = hidden.shape[0], self.head_dim
-        if self.source is None:
-            q_size, kv_size = self.num_heads * hd, self.num_kv_heads * hd
-            q, k, v = self.qkv_proj.forward(hidden).split([q_size, kv_size, kv_size], dim=-1)
-            k = RotaryEmbedding.rotate_(self.k_norm.forward(k.reshape(tokens, self.num_kv_heads, hd)), rope[0], rope[1])
-            v = self.v_norm.forward(v.reshape(tokens, self.num_kv_heads, hd))
-            attn = self.attn
-            assert attn is not None
-            shared[layer] = (k, v, attn)
-        else:
-            q = self.q_proj.forward(hidden)
-            k, v, attn = shared[self.source]
-        q = RotaryEmbedding.rotate_(self.q_norm.forward(q.reshape(tokens, self.num_heads, hd)), rope[0], rope[1])
-        # (A sharing layer writes its source's keys and values to the slots they already fill.)
-        return self.o_proj.forward(attn.forward(q, k, v, meta))
-
-
-class Gemma4MLP(nn.Module):
-    def __init__(self, config: ModelConfig, width: int) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [width] * 2)
-        self.down_proj = RowParallelLinear(width, config.hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
-        return self.down_proj.forward(F.gelu(gate, approximate="tanh") * up)
+from gpu_worker.models.gemma3n import (
+    Gemma3nMLP,
+    Gemma3nRMSNorm,
+    KVSharingAttention,
+    PerLayerInputsModel,
+    Shared,
+    language_model_tensors,
+)
 
 
 class Gemma4Router(nn.Module):
@@ -133,8 +75,9 @@ class Gemma4DecoderLayer(nn.Module):
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.layer = layer
         self.local_rope = bool(config.sliding_window_layers) and config.sliding_window_layers[layer]
-        self.self_attn = Gemma4Attention(config, layer, g)
-        self.mlp = Gemma4MLP(config, g.intermediate_sizes[layer])
+        self.self_attn = KVSharingAttention(config, layer, g.head_dims[layer], g.num_kv_heads[layer],
+                                            g.kv_sources[layer])
+        self.mlp = Gemma3nMLP(config, g.intermediate_sizes[layer], 0.0)
         self.input_layernorm = Gemma3nRMSNorm(hidden, eps)
         self.post_attention_layernorm = Gemma3nRMSNorm(hidden, eps)
         self.pre_feedforward_layernorm = Gemma3nRMSNorm(hidden, eps)
@@ -174,60 +117,23 @@ class Gemma4DecoderLayer(nn.Module):
         return hidden * self.layer_scalar
 
 
-class Gemma4Model(nn.Module):
+class Gemma4Model(PerLayerInputsModel):
     def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        if distributed.get_pp_world_size() > 1:
-            raise ValueError("Gemma4ForCausalLM is not served under pipeline parallelism (its shared KV caches cross "
-                             "the stages)")
         g = config.gemma4
         assert g is not None
-        self.g = g
-        self.stage = PipelineStage(config)
-        hidden, per_layer = config.hidden_size, g.hidden_size_per_layer_input
-        self.num_layers = config.num_hidden_layers
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden)
-        self.register_buffer("embed_scale", torch.tensor(hidden ** 0.5), persistent=False)
-        self.embed_tokens_per_layer = self.per_layer_model_projection = self.per_layer_projection_norm = None
-        if per_layer:
-            self.embed_tokens_per_layer = VocabParallelEmbedding(g.vocab_size_per_layer_input,
-                                                                 self.num_layers * per_layer)
-            self.register_buffer("per_layer_embed_scale", torch.tensor(per_layer ** 0.5), persistent=False)
-            self.per_layer_model_projection = nn.Linear(hidden, self.num_layers * per_layer,
-                                                        bias=False).requires_grad_(False)
-            self.per_layer_projection_norm = Gemma3nRMSNorm(per_layer, config.rms_norm_eps)
-        # The full layers' heads (their proportional RoPE) and the windowed layers' (plain RoPE).
+        # (The full layers' heads: their proportional RoPE's width.)
         full_dims = {g.head_dims[i] for i, local in enumerate(config.sliding_window_layers or ()) if not local}
-        self.rotary_emb = RotaryEmbedding(max(full_dims, default=config.head_dim), config.max_context_len,
-                                          config.rope_theta, config.rope_scaling)
-        self.local_rotary_emb = RotaryEmbedding(config.head_dim, config.max_context_len,
-                                                config.local_rope_theta or 10000.0)
+        super().__init__(config, "Gemma4ForCausalLM", g.hidden_size_per_layer_input, g.vocab_size_per_layer_input,
+                         dtype_scalars=False, full_head_dim=max(full_dims, default=config.head_dim))
+        self.g = g
         self.layers = nn.ModuleList(Gemma4DecoderLayer(config, i, g) for i in range(self.num_layers))
-        self.norm = Gemma3nRMSNorm(hidden, config.rms_norm_eps)
-
-    def per_layer_inputs(self, input_ids: torch.Tensor | None, embeds: torch.Tensor) -> torch.Tensor | None:
-        """[tokens, layers, per_layer] (None without per-layer inputs): the normed projection of the
-        embeddings, plus (with the token ids) their per-layer rows, times 1 / sqrt(2)."""
-        if self.per_layer_model_projection is None or self.per_layer_projection_norm is None:
-            return None
-        per_layer = self.g.hidden_size_per_layer_input
-        projection = self.per_layer_model_projection(embeds) * embeds.shape[-1] ** -0.5
-        projection = self.per_layer_projection_norm.forward(projection.reshape(-1, self.num_layers, per_layer))
-        if input_ids is None or self.embed_tokens_per_layer is None:
-            return projection
-        rows = self.embed_tokens_per_layer.forward(input_ids) * self.per_layer_embed_scale.to(embeds.dtype)
-        return (projection + rows.reshape(-1, self.num_layers, per_layer)) * 2.0 ** -0.5
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 inputs_embeds: torch.Tensor | None = None,
                 intermediate: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         assert intermediate is None  # (one pipeline stage)
-        if inputs_embeds is None:
-            hidden = self.embed_tokens.forward(input_ids) * self.embed_scale.to(self.embed_tokens.weight.dtype)
-            per_layer_inputs = self.per_layer_inputs(input_ids, hidden)
-        else:
-            hidden = inputs_embeds
-            per_layer_inputs = self.per_layer_inputs(None, hidden)
+        hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        per_layer_inputs = self.per_layer_inputs(None if inputs_embeds is not None else input_ids, hidden)
         rope = self.rotary_emb.cos_sin(positions)
         local = self.local_rotary_emb.cos_sin(positions)
         shared: Shared = {}
@@ -248,20 +154,11 @@ class Gemma4ForCausalLM(GemmaForCausalLM):
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         g = self.config.gemma4
         assert g is not None
-        sharing = {f"model.layers.{i}.self_attn." for i, source in enumerate(g.kv_sources) if source is not None}
-        keys_as_values = {f"model.layers.{i}.self_attn.k_proj." for i, same in enumerate(g.k_eq_v) if same}
-        for name, tensor in weights:
-            if name.startswith(_TOWER_PREFIXES):
-                continue
-            if name.startswith(_LANGUAGE_MODEL_PREFIX):
-                name = "model." + name[len(_LANGUAGE_MODEL_PREFIX):]
-            prefix = name[: name.find(".self_attn.") + len(".self_attn.")] if ".self_attn." in name else ""
-            # (A sharing layer's own keys and values are never computed, as in transformers: not read.)
-            if prefix in sharing and name[len(prefix):].split(".", 1)[0] in ("k_proj", "v_proj", "k_norm", "v_norm"):
-                continue
+        keys_as_values = tuple(f"model.layers.{i}.self_attn.k_proj." for i, same in enumerate(g.k_eq_v) if same)
+        for name, tensor in language_model_tensors(weights, g.kv_sources):
             yield name, tensor
             # (attention_k_eq_v: a full layer's values are its keys' projection, read as both.)
-            if prefix and name.startswith(tuple(keys_as_values)):
+            if keys_as_values and name.startswith(keys_as_values):
                 yield name.replace(".self_attn.k_proj.", ".self_attn.v_proj."), tensor
 
     def attention_layers(self) -> list[PagedAttention]:
