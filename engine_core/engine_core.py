@@ -73,6 +73,11 @@ class EngineCore:
             raise ValueError(f"engine {config.engine_index}: --enable-prompt-embeds is for generating decoder models: "
                              f"{self.model_info.served_model_name} is an "
                              f"{'encoder' if self.model_info.encoder_only else 'embedding model'}")
+        if config.enable_prompt_embeds and self.model_info.inputs_need_token_ids:
+            executor.shutdown()
+            raise ValueError(f"engine {config.engine_index}: --enable-prompt-embeds: "
+                             f"{self.model_info.served_model_name}'s layers read per-layer inputs of the prompt's "
+                             "token ids (Gemma 3n's, Gemma 4's), which embeddings do not give")
         num_blocks = executor.determine_num_blocks()
         # (The host-memory tier of KV offloading, in blocks: 0 when off.)
         self.num_offload_blocks = executor.initialize_cache(num_blocks) or 0
@@ -227,6 +232,8 @@ class EngineCore:
                    if info.sliding_window is not None
                    else "a draft model's or EAGLE head's KV cache is not transferred (the MTP drafter's is)"
                    if config.speculative_config is not None and config.speculative_config.uses_draft_model
+                   else "its layers' KV caches differ in shape (Gemma 4's full layers), and the blocks travel as one "
+                        "tensor of every layer's" if info.kv_cache_shapes_differ
                    else None)
         if problem is not None:
             self.executor.shutdown()

@@ -178,6 +178,12 @@ class ModelInfo:
     # its own tokens, computed in order, build, so no prompt may start from the prefix cache (the
     # engine turns prefix caching off).
     mamba: bool = False
+    # A model whose layers' inputs come from the prompt's token ids as well as their embeddings (Gemma
+    # 3n's and Gemma 4's per-layer inputs): prompts given as embeddings are refused.
+    inputs_need_token_ids: bool = False
+    # A model whose layers keep KV caches of different shapes (Gemma 4's full layers): its blocks are
+    # not handed to another engine (prefill/decode disaggregation moves one tensor of every layer's).
+    kv_cache_shapes_differ: bool = False
     # Whether it generates, and how it pools embeddings and classes.
     pooling: PoolingInfo = field(default_factory=PoolingInfo)
     # What the workers run: the model's dtype (float32, bfloat16, ...) and the device type (once

@@ -887,6 +887,9 @@ def _gemma_from_dict(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
                     final_logit_softcapping=(None if cfg.get("final_logit_softcapping") is None
                                              else float(cfg["final_logit_softcapping"])),
                     local_rope_theta=_local_rope_theta(arch, cfg, 10000.0), gemma4=gemma4,
+                    # (its experts, as the engine's checks read them: expert parallelism's split)
+                    num_experts=gemma4.num_experts, num_experts_per_tok=gemma4.top_k_experts,
+                    moe_intermediate_size=gemma4.moe_intermediate_size,
                     attention_layer_geometry=tuple((gemma4.num_kv_heads[i], gemma4.head_dims[i])
                                                    for i in gemma4.cache_layers))
     if arch == "Gemma3nForCausalLM":  # (its scores unscaled: its q/k norms set their size)

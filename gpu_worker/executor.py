@@ -303,6 +303,9 @@ class _ExecutorBase(Executor):
             sliding_window=self.model_config.uniform_sliding_window,
             long_rope_after=self.model_config.long_rope_after, encoder_only=self.model_config.encoder_only,
             mamba=bool(self.model_config.mamba_layers),
+            inputs_need_token_ids=self.model_config.gemma3n is not None or bool(
+                self.model_config.gemma4 is not None and self.model_config.gemma4.hidden_size_per_layer_input),
+            kv_cache_shapes_differ=len(set(self.model_config.attention_layer_geometry)) > 1,
             pooling=PoolingInfo(generates=not embeds_only, pooling_type=pooler.pooling_type,
                                 normalize=pooler.normalize, unavailable=pooling_unavailable,
                                 labels=self.model_config.labels,

@@ -82,6 +82,9 @@ def _per_layer(cfg: dict[str, Any], key: str, default: Any, layers: int) -> list
 def gemma3n_config_from_dict(cfg: dict[str, Any]) -> Gemma3nConfig:
     """Gemma 3n's fields of a text config (its defaults applied: GEMMA3N_TEXT_DEFAULTS)."""
     layers = int(cfg["num_hidden_layers"])
+    if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise ValueError(f"Gemma3nForCausalLM's hidden_activation must be gelu_pytorch_tanh (its released one), got "
+                         f"{cfg['hidden_activation']!r}")
     kinds = gemma3n_layer_types(cfg)
     sparsity = cfg.get("activation_sparsity_pattern")
     if sparsity is None:  # (transformers' default: the first ten layers cut at 0.95, where there are more)

@@ -72,6 +72,9 @@ def gemma4_config_from_dict(cfg: dict[str, Any]) -> Gemma4Config:
     """Gemma 4's fields of a text config (its defaults applied: GEMMA4_TEXT_DEFAULTS)."""
     if cfg.get("use_bidirectional_attention") == "all":
         raise ValueError("Gemma4ForCausalLM with use_bidirectional_attention 'all' (an encoder) is not served")
+    if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise ValueError(f"Gemma4ForCausalLM's hidden_activation must be gelu_pytorch_tanh (its released one), got "
+                         f"{cfg['hidden_activation']!r}")
     kinds = gemma4_layer_types(cfg)
     k_eq_v = bool(cfg.get("attention_k_eq_v", False))
     head_dim, kv_heads = int(cfg["head_dim"]), int(cfg["num_key_value_heads"])
@@ -84,12 +87,14 @@ def gemma4_config_from_dict(cfg: dict[str, Any]) -> Gemma4Config:
         global_kv = cfg.get("num_global_key_value_heads") if k_eq_v else None
         full_override = {"head_dim": int(cfg.get("global_head_dim") or 512),
                          **({} if global_kv is None else {"num_key_value_heads": int(global_kv)})}
-        overrides = {str(i): full_override for i, f in enumerate(full) if f}
+        overrides = {i: full_override for i, f in enumerate(full) if f}
+    # (transformers writes its keys as zero-padded strings, "05", and reads them as ints.)
+    overrides = {int(index): override for index, override in overrides.items()}
     for index, override in overrides.items():
         if not set(override) <= {"head_dim", "num_key_value_heads"}:
             raise ValueError(f"Gemma 4's per_layer_config may set head_dim and num_key_value_heads, got {override} "
                              f"for layer {index}")
-    layer = [dict(overrides.get(str(i)) or {}) for i in range(len(kinds))]
+    layer = [dict(overrides.get(i) or {}) for i in range(len(kinds))]
     sources = kv_sources(kinds, int(cfg.get("num_kv_shared_layers") or 0))
     width = int(cfg["intermediate_size"])
     double = bool(cfg.get("use_double_wide_mlp"))

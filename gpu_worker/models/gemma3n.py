@@ -18,7 +18,7 @@ read), as transformers' Gemma3nTextModel computes it (gpu_worker.gemma3n_config 
 * final logits soft-capped (30), the head tied to the embedding.
 
 Norms scale by w (not Gemma's 1 + w), in fp32. Pipeline parallelism is refused (the streams and the
-shared caches cross stages).
+shared caches cross stages), and so are prompt embeddings (the per-layer inputs are read by token id).
 """
 
 from __future__ import annotations
@@ -292,13 +292,16 @@ class PerLayerInputsModel(nn.Module):
 
     def per_layer_inputs(self, input_ids: torch.Tensor | None, embeds: torch.Tensor) -> torch.Tensor | None:
         """[tokens, layers, per_layer] (None without them): the normed projection of the embeddings,
-        plus (with the token ids) their per-layer rows, times 1 / sqrt(2); prompt embeddings given
-        without ids take the projection alone, as transformers does."""
+        plus their per-layer rows by token id, times 1 / sqrt(2). Rows given as embeddings have no ids
+        to read them by: refused (the engine refuses prompt embeddings for these models)."""
         if self.per_layer_model_projection is None or self.per_layer_projection_norm is None:
             return None
+        if input_ids is None:
+            raise ValueError("this model's per-layer inputs are read by token id: rows given as embeddings are not "
+                             "served")
         projection = self.per_layer_model_projection(embeds) * self._scalar(embeds.shape[-1] ** -0.5, embeds.dtype)
         projection = self.per_layer_projection_norm.forward(projection.reshape(-1, self.num_layers, self.per_layer))
-        if input_ids is None or self.embed_tokens_per_layer is None:
+        if self.embed_tokens_per_layer is None:
             return projection
         ids = torch.where(input_ids < self.per_layer_vocab, input_ids, torch.zeros_like(input_ids))
         rows = self.embed_tokens_per_layer.forward(ids) * self.per_layer_embed_scale.to(embeds.dtype)
@@ -364,6 +367,10 @@ class Gemma3nForCausalLM(GemmaForCausalLM):
     checkpoint's language model is read under its prefix, its towers skipped."""
 
     model_class = Gemma3nModel  # type: ignore[assignment]
+    # (LoRA adapters of the vision-language checkpoint: its language model's modules under their prefix,
+    # the towers' left out.)
+    _LANGUAGE_MODEL_PREFIXES = ((_LANGUAGE_MODEL_PREFIX, "model."),)
+    _VISION_PREFIXES = _TOWER_PREFIXES
     packed_modules_mapping = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 

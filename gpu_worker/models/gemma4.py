@@ -18,8 +18,10 @@ transformers' Gemma4TextModel computes it (gpu_worker.gemma4_config names the pa
   MLPs, their output normed and added to the MLP's;
 * logits soft-capped where final_logit_softcapping is set; the head tied to the embedding.
 
-Pipeline parallelism is refused (the shared caches cross the stages); prompt embeddings given
-without token ids take the per-layer inputs from the embeddings' projection alone.
+Pipeline parallelism is refused (the shared caches cross the stages), and so are prompt embeddings
+where it has per-layer inputs (read by token id: transformers recovers the ids from the embeddings),
+and prefill/decode disaggregation (its layers' caches differ in shape); a LoRA adapter on a full
+layer's k_proj under ``attention_k_eq_v`` is refused.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from gpu_worker.layers.fused_moe import FusedMoE
 from gpu_worker.layers.weight_utils import WeightLike
 from gpu_worker.models.gemma import GemmaForCausalLM
 from gpu_worker.models.gemma3n import (
+    Gemma3nForCausalLM,
     Gemma3nMLP,
     Gemma3nRMSNorm,
     KVSharingAttention,
@@ -148,6 +151,8 @@ class Gemma4ForCausalLM(GemmaForCausalLM):
     checkpoint's language model is read under its prefix, its towers skipped."""
 
     model_class = Gemma4Model  # type: ignore[assignment]
+    _LANGUAGE_MODEL_PREFIXES = Gemma3nForCausalLM._LANGUAGE_MODEL_PREFIXES
+    _VISION_PREFIXES = Gemma3nForCausalLM._VISION_PREFIXES
     packed_modules_mapping = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
@@ -160,6 +165,17 @@ class Gemma4ForCausalLM(GemmaForCausalLM):
             # (attention_k_eq_v: a full layer's values are its keys' projection, read as both.)
             if keys_as_values and name.startswith(keys_as_values):
                 yield name.replace(".self_attn.k_proj.", ".self_attn.v_proj."), tensor
+
+    def lora_module_name(self, module: str) -> str:
+        """(Refused: an adapter on a full layer's k_proj under attention_k_eq_v, whose values are that
+        projection too; its delta would reach the keys alone.)"""
+        g = self.config.gemma4
+        assert g is not None
+        for i, same in enumerate(g.k_eq_v):
+            if same and module.endswith(f"layers.{i}.self_attn.k_proj"):
+                raise ValueError(f"a LoRA adapter on {module} (its values are the keys' projection under "
+                                 "attention_k_eq_v) is not served")
+        return module
 
     def attention_layers(self) -> list[PagedAttention]:
         """The layers holding a cache: those computing their own keys and values."""

@@ -80,6 +80,19 @@ def test_gemma4s_caches_of_two_geometries_go_to_the_host_tier_and_back(tmp_path)
     assert again[0].num_cached_tokens >= 32 and stats.kv_offload_loaded_blocks >= 8
 
 
+@pytest.mark.parametrize(("kind", "flags", "refusal"), [
+    ("gemma3n", {"enable_prompt_embeds": True}, "per-layer inputs of the prompt's token ids"),
+    ("gemma4", {"enable_prompt_embeds": True}, "per-layer inputs of the prompt's token ids"),
+    ("gemma4", {"kv_transfer_config": {"kv_role": "kv_both"}}, "KV caches differ in shape"),
+])
+def test_gemma3n_and_gemma4_refuse_what_their_layers_cannot_follow(tmp_path, kind, flags, refusal):
+    """Prompt embeddings (their per-layer inputs are read by token id), and for Gemma 4 prefill/decode
+    disaggregation (its full layers' caches are of another shape than the windowed layers')."""
+    with pytest.raises(ValueError, match=refusal):
+        run(_model(tmp_path, kind), [[1, 2]], SamplingParams(max_tokens=1), dtype="float32", num_gpu_blocks=16,
+            max_model_len=64, **flags)
+
+
 @pytest.mark.parametrize("kind", ["granitemoehybrid", "bamba", "nemotron_h", "nemotron_h_moe", "mamba2",
                                   "qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe", "falcon_h1", "mamba",
                                   "falcon_mamba", "jamba", "zamba2"])

@@ -398,6 +398,35 @@ def test_adapters_on_ungated_mlps_and_renamed_projections_give_pefts_tokens(tmp_
     assert _drive(_worker(base, adapters).execute_model, adapters, prompts, max_loras=1) == expected
 
 
+def test_gemma_adapters_of_the_vision_language_checkpoint_load_and_a_k_eq_v_key_adapter_is_refused(tmp_path):
+    """An adapter trained on Gemma4ForConditionalGeneration names its modules under the language
+    model's prefix (model.language_model.layers...) and may adapt the towers: it loads on the language
+    model (the towers' modules left out) and gives the tokens of the same adapter named as the text
+    model's. Under attention_k_eq_v an adapter on a full layer's k_proj, whose values are that
+    projection too, is refused."""
+    from safetensors.torch import load_file, save_file
+
+    base = save_tiny_model(tmp_path / "base", "gemma4", vocab_size=251, attention_k_eq_v=False)
+    plain = save_adapter(base, tmp_path / "plain", seed=9, targets=("q_proj", "o_proj", "down_proj"))
+    multimodal = _edited_copy(plain, tmp_path / "multimodal")
+    weights = {name.replace("base_model.model.model.", "base_model.model.model.language_model."): tensor
+               for name, tensor in load_file(str(plain / "adapter_model.safetensors")).items()}
+    weights["base_model.model.model.vision_tower.encoder.layers.0.q_proj.lora_A.weight"] = torch.zeros(8, 16)
+    weights["base_model.model.model.vision_tower.encoder.layers.0.q_proj.lora_B.weight"] = torch.zeros(16, 8)
+    save_file(weights, str(multimodal / "adapter_model.safetensors"))
+    prompts = [[(5 * i + j) % 251 for i in range(9)] for j in range(3)]
+    answers = []
+    for path in (plain, multimodal):
+        adapters = {1: LoRARequest("a", 1, str(path))}
+        answers.append(_drive(_worker(base, adapters).execute_model, adapters, prompts, max_loras=1))
+    assert answers[0] == answers[1]
+    assert answers[0]["r1"] != _drive(_worker(base, {}).execute_model, {}, prompts, max_loras=1)["r1"]
+    k_eq_v = save_tiny_model(tmp_path / "k_eq_v", "gemma4", vocab_size=251)
+    adapter = save_adapter(k_eq_v, tmp_path / "keys", targets=("q_proj", "k_proj"))
+    with pytest.raises(ValueError, match=r"layers\.1\.self_attn\.k_proj .*attention_k_eq_v"):
+        _worker(k_eq_v, {}).add_lora(LoRARequest("keys", 2, str(adapter)))
+
+
 def test_an_adapter_on_phi3s_fused_projections_gives_pefts_tokens(tmp_path):
     """Phi-3's checkpoint, and so PEFT's adapters for it, hold q/k/v and gate/up fused
     (``qkv_proj``, ``gate_up_proj``): one A for the whole projection, B's rows in q, k, v order."""

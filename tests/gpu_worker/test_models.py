@@ -1396,6 +1396,13 @@ def test_gemma4_config_as_released():
     moe = ModelConfig.from_dict({**text, "architectures": ["Gemma4ForCausalLM"], "enable_moe_block": True,
                                  "num_experts": 128, "top_k_experts": 8, "moe_intermediate_size": 704})
     assert (moe.gemma4.num_experts, moe.gemma4.top_k_experts, moe.gemma4.moe_intermediate_size) == (128, 8, 704)
+    assert (moe.num_experts, moe.num_experts_per_tok) == (128, 8)  # (as expert parallelism's checks read them)
+    # transformers' saved per_layer_config: its layers' keys zero-padded ("05"), read as numbers.
+    saved = ModelConfig.from_dict({**text, "architectures": ["Gemma4ForCausalLM"], "per_layer_config": {
+        f"{i:02d}": {"head_dim": 512, "num_key_value_heads": 1} for i in range(5, 30, 6)}})
+    assert saved.gemma4.head_dims[:12] == ((256,) * 5 + (512,)) * 2 and saved.gemma4.num_kv_heads[5] == 1
+    with pytest.raises(ValueError, match="hidden_activation must be gelu_pytorch_tanh"):
+        ModelConfig.from_dict({**text, "architectures": ["Gemma4ForCausalLM"], "hidden_activation": "silu"})
     with pytest.raises(ValueError, match="top_k_experts"):
         ModelConfig.from_dict({**text, "architectures": ["Gemma4ForCausalLM"], "enable_moe_block": True,
                                "num_experts": 128})

@@ -619,9 +619,6 @@ def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides)
             # router scales start at 1.
             if name.endswith(("altup.correct_output_scale", "router.scale", "router.per_expert_scale")):
                 param.normal_(1.0, 0.5)
-        for name, buffer in model.named_buffers():  # (Gemma 4's layer scalars: 1 would hide them)
-            if name.endswith("layer_scalar"):
-                buffer.uniform_(0.5, 1.5)
             # Mamba-2's per-head scalars and its gated norm start at fixed values (A = -1..-heads, D
             # and dt's bias 1, norm 1): drawn apart so each head's are read as its own.
             if name.endswith(("mamba.A_log", "mamba.D", "mamba.dt_bias", "mamba.conv1d.bias", "mixer.A_log",
@@ -647,6 +644,8 @@ def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides)
         for name, buffer in model.named_buffers():
             if name.endswith(("e_score_correction_bias", "expert_bias")):
                 buffer.normal_(0.0, 0.3)
+            if name.endswith("layer_scalar"):  # (Gemma 4's, at 1: it would hide one not read)
+                buffer.uniform_(0.5, 1.5)
     model.save_pretrained(path, safe_serialization=True)
     return path
 
