@@ -26,6 +26,7 @@ time, and "same tokens" is the share of greedy tokens on which both sides agree.
     .venv/bin/python benchmarks/bench_model_runner.py --zamba2  # Zamba2: Mamba-2 layers, shared attention blocks
     .venv/bin/python benchmarks/bench_model_runner.py --gpt2  # GPT-2 (124M's shapes): learned positions, LayerNorms
     .venv/bin/python benchmarks/bench_model_runner.py --bloom  # BLOOM (bloom-560m's layers, a 50k vocab): ALiBi
+    .venv/bin/python benchmarks/bench_model_runner.py --gemma4  # Gemma 4: two head widths, KV sharing, PLE
 
 With --sliding-window, both sides run the same weights as a Mistral model whose every layer attends
 through that window (HF with its sliding-window cache; ours reading only the window's blocks, the
@@ -68,7 +69,10 @@ positions, LayerNorms, biases, an ungated gelu MLP, Conv1D weights (transposed a
 With --bloom, as a BLOOM of bloom-560m's layers (24 of 1024 wide, 16 heads) over GPT-2's 50k vocabulary
 (bloom-560m's 250k would make the head the whole test): ALiBi in place of RoPE (our scores on the
 eager path, and in the C decode kernel on the CPU), a LayerNorm over the embeddings, per-head fused
-q/k/v.
+q/k/v. With --gemma4, as a Gemma 4 of SmolLM2's shapes: five windowed layers (512 tokens, heads of 64)
+to one full (heads of 128, one KV head whose values are the keys' projection, proportional RoPE), the
+last ten layers reading earlier layers' caches (their MLPs twice as wide), per-layer inputs of 64
+values, logits capped at 30.
 """
 
 from __future__ import annotations
@@ -96,6 +100,8 @@ from transformers import (
     FalconH1ForCausalLM,
     Gemma2Config,
     Gemma2ForCausalLM,
+    Gemma4ForCausalLM,
+    Gemma4TextConfig,
     Glm4MoeConfig,
     Glm4MoeForCausalLM,
     GPT2Config,
@@ -258,6 +264,8 @@ def main() -> None:
                     help="run the random model as Nemotron-H (Mamba-2 / MLP blocks, a few attention ones)")
     ap.add_argument("--gpt2", action="store_true",
                     help="run a random GPT-2 of gpt2's shapes (learned positions, LayerNorms, Conv1D weights)")
+    ap.add_argument("--gemma4", action="store_true",
+                    help="run a random Gemma 4 of SmolLM2's shapes (two head widths, KV sharing, per-layer inputs)")
     ap.add_argument("--bloom", action="store_true",
                     help="run a random BLOOM of bloom-560m's layers over a 50k vocabulary (ALiBi)")
     args = ap.parse_args()
@@ -385,6 +393,13 @@ def main() -> None:
         shapes = {"architectures": ["BloomForCausalLM"], "hidden_size": 1024, "n_layer": 24, "n_head": 16,
                   "vocab_size": 50257}
         hf, model_config, weights = random_source(BloomForCausalLM, BloomConfig, shapes, device, dtype)
+    elif args.model == "random" and args.gemma4:
+        shapes = {**SMOLLM2_135M, "architectures": ["Gemma4ForCausalLM"], "head_dim": 64, "global_head_dim": 128,
+                  "num_global_key_value_heads": 1, "attention_k_eq_v": True, "sliding_window": 512,
+                  "num_kv_shared_layers": 10, "use_double_wide_mlp": True, "hidden_size_per_layer_input": 64,
+                  "vocab_size_per_layer_input": SMOLLM2_135M["vocab_size"], "final_logit_softcapping": 30.0}
+        shapes.pop("rope_theta")
+        hf, model_config, weights = random_source(Gemma4ForCausalLM, Gemma4TextConfig, shapes, device, dtype)
     elif args.model == "random" and args.sliding_window:
         shapes = {**SMOLLM2_135M, "architectures": ["MistralForCausalLM"], "sliding_window": args.sliding_window}
         hf, model_config, weights = random_source(MistralForCausalLM, MistralConfig, shapes, device, dtype)
@@ -409,7 +424,8 @@ def main() -> None:
     kinds = {"gemma2": args.gemma2, "gpt-oss": args.gpt_oss, "glm4-moe": args.glm4_moe, "deepseek-v3": args.deepseek_v3,
              "minimax-m2": args.minimax_m2, "granite-hybrid": args.granite_hybrid, "nemotron-h": args.nemotron_h,
              "qwen3-next": args.qwen3_next, "lfm2": args.lfm2, "falcon-h1": args.falcon_h1,
-             "jamba": args.jamba, "zamba2": args.zamba2, "gpt2": args.gpt2, "bloom": args.bloom}
+             "jamba": args.jamba, "zamba2": args.zamba2, "gpt2": args.gpt2, "bloom": args.bloom,
+             "gemma4": args.gemma4}
     kind = "".join(f" as {name}" for name, chosen in kinds.items() if chosen)
     print(f"model={args.model}{kind} sliding_window={args.sliding_window} "
           f"experts={model_config.num_experts}/{model_config.num_experts_per_tok} device={device} dtype={args.dtype} "
