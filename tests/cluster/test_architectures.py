@@ -80,6 +80,22 @@ def test_gemma4s_caches_of_two_geometries_go_to_the_host_tier_and_back(tmp_path)
     assert again[0].num_cached_tokens >= 32 and stats.kv_offload_loaded_blocks >= 8
 
 
+@pytest.mark.parametrize("kind", ["gemma3n", "gemma4"])
+def test_kv_sharing_layers_verify_ngram_drafts_as_transformers_answers(tmp_path, kind):
+    """Gemma 3n's and Gemma 4's KV-sharing layers attend over their sources' caches with several query
+    rows a request (the drafts being verified): the greedy tokens stay transformers', drafts accepted."""
+    path = _model(tmp_path, kind)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    outputs, stats = run(path, PROMPTS + PROMPTS[:2], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                         dtype="float32", block_size=4, num_gpu_blocks=40, max_num_batched_tokens=16, max_num_seqs=8,
+                         max_model_len=128, speculative_config=spec)
+    hf = load_hf(path)
+    with torch.no_grad():
+        expected = [hf_greedy(hf, prompt, 12) for prompt in PROMPTS + PROMPTS[:2]]
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert stats.spec_decode_num_drafts > 0 and stats.spec_decode_num_accepted_tokens > 0
+
+
 @pytest.mark.parametrize(("kind", "flags", "refusal"), [
     ("gemma3n", {"enable_prompt_embeds": True}, "per-layer inputs of the prompt's token ids"),
     ("gemma4", {"enable_prompt_embeds": True}, "per-layer inputs of the prompt's token ids"),
