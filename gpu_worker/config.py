@@ -163,6 +163,10 @@ EXAONE_ARCHITECTURES = ("Exaone4ForCausalLM", "ExaoneMoeForCausalLM")
 MINICPM5_MOE_DEFAULTS = {"vocab_size": 130560, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 28,
                          "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128,
                          "max_position_embeddings": 524288, "rms_norm_eps": 1e-6}
+# The families whose defaults fill only the keys a config leaves out (a null it states is read as
+# transformers reads it).
+NULL_KEEPING_DEFAULTS = {"MiniCPM3ForCausalLM": MINICPM3_DEFAULTS, "Glm4MoeLiteForCausalLM": GLM4_MOE_LITE_DEFAULTS,
+                         "MiniCPM5MoeForCausalLM": MINICPM5_MOE_DEFAULTS}
 # Another spelling of an architecture's name in released configs, read as transformers reads it.
 ARCHITECTURE_SPELLINGS = {"MiniCPM5MoEForCausalLM": "MiniCPM5MoeForCausalLM",
                           "ExaoneMoEForCausalLM": "ExaoneMoeForCausalLM"}
@@ -2274,10 +2278,9 @@ class ModelConfig:
     def num_attention_layers(self) -> int:
         """The layers that keep a KV cache (a Mamba-2 layer keeps a state per request instead, unless
         it runs beside attention: Falcon-H1's; Gemma 3n's KV-sharing layers read another layer's)."""
-        if self.gemma3n is not None:
-            return sum(source is None for source in self.gemma3n.kv_sources)
-        if self.gemma4 is not None:
-            return len(self.gemma4.cache_layers)
+        sharing = self.gemma3n or self.gemma4  # (KV sharing: the layers reading another's keep none)
+        if sharing is not None:
+            return sum(source is None for source in sharing.kv_sources)
         if self.parallel_hybrid:
             return self.num_hidden_layers
         if self.shared_attention_layers:
@@ -2464,12 +2467,8 @@ class ModelConfig:
             cfg = _mpt_config(arch, cfg)
         if arch == "DbrxForCausalLM":
             cfg = _dbrx_config(cfg)
-        if arch == "MiniCPM3ForCausalLM":
-            cfg = {**MINICPM3_DEFAULTS, **cfg}
-        if arch == "Glm4MoeLiteForCausalLM":
-            cfg = {**GLM4_MOE_LITE_DEFAULTS, **cfg}
-        if arch == "MiniCPM5MoeForCausalLM":
-            cfg = {**MINICPM5_MOE_DEFAULTS, **cfg}
+        if arch in NULL_KEEPING_DEFAULTS:  # (a key a config states, null included, wins)
+            cfg = {**NULL_KEEPING_DEFAULTS[arch], **cfg}
         if arch == "MiniCPMForCausalLM":
             cfg = _minicpm_config(cfg)
         if arch in ("InternLM2ForCausalLM", "InternLM3ForCausalLM"):

@@ -254,8 +254,9 @@ class ModelRunner:
 
     def _config_to_build(self) -> ModelConfig:
         """The model's config, its positions cut to max_model_len where that leaves everything but the
-        rotary tables' length as it is (a decoder's plain, linear, llama3 or proportional RoPE, whose frequencies do
-        not depend on it; not an encoder's position embeddings, nor a vision model's positions): the
+        rotary tables' length as it is (a decoder's plain, linear, llama3 or proportional RoPE, whose
+        frequencies do not depend on it; not an encoder's position embeddings, nor a vision model's
+        positions): the
         tables then hold the positions served, not all the model's (Llama 4 Scout's 10M would take
         gigabytes). Nor GPT-2's learned positions: its table is the checkpoint's."""
         config = self.config

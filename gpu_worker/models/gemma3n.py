@@ -39,14 +39,13 @@ from gpu_worker.layers.embedding import VocabParallelEmbedding
 from gpu_worker.layers.layernorm import RMSNorm
 from gpu_worker.layers.linear import (
     ColumnParallelLinear,
-    MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
 )
 from gpu_worker.layers.rotary import RotaryEmbedding
 from gpu_worker.layers.weight_utils import WeightLike, copy_into, materialize
 from gpu_worker.models.gemma import GemmaForCausalLM
-from gpu_worker.models.llama import PipelineStage
+from gpu_worker.models.llama import LlamaMLP, PipelineStage
 
 # The towers of Gemma3nForConditionalGeneration checkpoints, not served; its language model's prefix.
 _TOWER_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
@@ -125,11 +124,11 @@ class Gemma3nLaurel(nn.Module):
         return x + self.post_laurel_norm.forward(self.linear_right(self.linear_left(x)))
 
 
-class Gemma3nMLP(nn.Module):
+class Gemma3nMLP(LlamaMLP):
+    """Llama's gated MLP (tanh-gelu, ``width`` wide), its gate cut where ``sparsity`` is set."""
+
     def __init__(self, config: ModelConfig, width: int, sparsity: float) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [width] * 2)
-        self.down_proj = RowParallelLinear(width, config.hidden_size)
+        super().__init__(config, width)
         self.width = width
         # The gate's cut: mean + std * the standard normal's quantile at the sparsity (None: no cut).
         self.quantile = (None if sparsity == 0.0
@@ -150,10 +149,10 @@ class Gemma3nMLP(nn.Module):
         return F.relu(gate - cutoff)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantile is None:
+            return super().forward(x)
         gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
-        if self.quantile is not None:
-            gate = self._cut(gate)
-        return self.down_proj.forward(F.gelu(gate, approximate="tanh") * up)
+        return self.down_proj.forward(F.gelu(self._cut(gate), approximate="tanh") * up)
 
 
 # The keys and values (and attention, with its cache) of the layers computing their own in a pass, by

@@ -42,13 +42,13 @@ from gpu_worker.layers.weight_utils import WeightLike
 from gpu_worker.models.gemma import GemmaForCausalLM
 from gpu_worker.models.gemma3n import (
     Gemma3nForCausalLM,
-    Gemma3nMLP,
     Gemma3nRMSNorm,
     KVSharingAttention,
     PerLayerInputsModel,
     Shared,
     language_model_tensors,
 )
+from gpu_worker.models.llama import LlamaMLP
 
 
 class Gemma4Router(nn.Module):
@@ -80,7 +80,7 @@ class Gemma4DecoderLayer(nn.Module):
         self.local_rope = bool(config.sliding_window_layers) and config.sliding_window_layers[layer]
         self.self_attn = KVSharingAttention(config, layer, g.head_dims[layer], g.num_kv_heads[layer],
                                             g.kv_sources[layer])
-        self.mlp = Gemma3nMLP(config, g.intermediate_sizes[layer], 0.0)
+        self.mlp = LlamaMLP(config, g.intermediate_sizes[layer])
         self.input_layernorm = Gemma3nRMSNorm(hidden, eps)
         self.post_attention_layernorm = Gemma3nRMSNorm(hidden, eps)
         self.pre_feedforward_layernorm = Gemma3nRMSNorm(hidden, eps)
