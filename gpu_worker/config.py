@@ -99,7 +99,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "MiniCPM5MoeForCausalLM", "MiniCPMForCausalLM",
                            "Glm4MoeLiteForCausalLM", "ExaoneMoeForCausalLM", "Gemma3nForCausalLM",
                            "InternLM2ForCausalLM", "InternLM3ForCausalLM", "ExaoneForCausalLM",
-                           "Gemma4ForCausalLM")
+                           "Gemma4ForCausalLM", "Jais2ForCausalLM", "SolarOpenForCausalLM",
+                           "YoutuForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -122,11 +123,12 @@ GRANITE_MOE_ARCHITECTURES = ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausal
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # MLA's models: DeepSeek's, MiniCPM3 (MLA with RoPE in halves, dense MLPs, muP-style scalings) and
 # GLM-4.7-Flash (Glm4MoeLiteForCausalLM: DeepSeek-V3's attention with GLM-4.5's experts).
-MLA_ARCHITECTURES = (*DEEPSEEK_ARCHITECTURES, "MiniCPM3ForCausalLM", "Glm4MoeLiteForCausalLM")
+MLA_ARCHITECTURES = (*DEEPSEEK_ARCHITECTURES, "MiniCPM3ForCausalLM", "Glm4MoeLiteForCausalLM", "YoutuForCausalLM")
 # transformers' defaults of each: (qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank, q_lora_rank,
 # v_head_dim; None: hidden_size / num_attention_heads).
 _MLA_DEFAULTS = {"DeepseekV2ForCausalLM": (128, 64, 512, 1536, 128), "DeepseekV3ForCausalLM": (128, 64, 512, 1536, 128),
-                 "MiniCPM3ForCausalLM": (64, 32, 256, 768, None), "Glm4MoeLiteForCausalLM": (192, 64, 512, 768, 256)}
+                 "MiniCPM3ForCausalLM": (64, 32, 256, 768, None), "Glm4MoeLiteForCausalLM": (192, 64, 512, 768, 256),
+                 "YoutuForCausalLM": (128, 64, 512, 1536, 128)}
 # transformers' GptOssConfig defaults for the keys a GPT-OSS config may leave out (gpt-oss-20b's and
 # -120b's configs state them, but for swiglu_alpha; the experts' are _moe_from_dict's).
 GPT_OSS_DEFAULTS = {"head_dim": 64, "sliding_window": 128, "attention_bias": True, "rms_norm_eps": 1e-5,
@@ -163,10 +165,14 @@ EXAONE_ARCHITECTURES = ("Exaone4ForCausalLM", "ExaoneMoeForCausalLM")
 MINICPM5_MOE_DEFAULTS = {"vocab_size": 130560, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 28,
                          "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128,
                          "max_position_embeddings": 524288, "rms_norm_eps": 1e-6}
+# transformers' YoutuConfig defaults (Youtu-LLM-2B's; a null q_lora_rank kept: a plain query projection).
+YOUTU_DEFAULTS = {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 32,
+                  "num_attention_heads": 16, "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
+                  "tie_word_embeddings": True, "eos_token_id": 128001}
 # The families whose defaults fill only the keys a config leaves out (a null it states is read as
 # transformers reads it).
 NULL_KEEPING_DEFAULTS = {"MiniCPM3ForCausalLM": MINICPM3_DEFAULTS, "Glm4MoeLiteForCausalLM": GLM4_MOE_LITE_DEFAULTS,
-                         "MiniCPM5MoeForCausalLM": MINICPM5_MOE_DEFAULTS}
+                         "MiniCPM5MoeForCausalLM": MINICPM5_MOE_DEFAULTS, "YoutuForCausalLM": YOUTU_DEFAULTS}
 # Another spelling of an architecture's name in released configs, read as transformers reads it.
 ARCHITECTURE_SPELLINGS = {"MiniCPM5MoEForCausalLM": "MiniCPM5MoeForCausalLM",
                           "ExaoneMoEForCausalLM": "ExaoneMoeForCausalLM"}
@@ -190,6 +196,12 @@ LLAMA_LIKE_DEFAULTS = {
                               "tie_word_embeddings": True, "use_bias": True, "num_key_value_heads": 2},
     "StableLmForCausalLM": {"max_position_embeddings": 4096, "partial_rotary_factor": 0.25},
     "NemotronForCausalLM": {"max_position_embeddings": 4096, "hidden_act": "relu2", "partial_rotary_factor": 0.5},
+    "SolarOpenForCausalLM": {"vocab_size": 196608, "hidden_size": 4096, "num_hidden_layers": 48,
+                             "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
+                             "max_position_embeddings": 131072, "rms_norm_eps": 1e-5},
+    "Jais2ForCausalLM": {"vocab_size": 150272, "hidden_size": 3328, "intermediate_size": 26624,
+                         "num_attention_heads": 26, "max_position_embeddings": 8192, "hidden_act": "relu2",
+                         "attention_bias": True, "mlp_bias": True, "eos_token_id": 150024},
     "OlmoForCausalLM": {"max_position_embeddings": 2048},
     "PersimmonForCausalLM": {"vocab_size": 262144, "hidden_size": 4096, "intermediate_size": 16384,
                              "num_hidden_layers": 36, "num_attention_heads": 64, "max_position_embeddings": 16384,
@@ -243,12 +255,13 @@ LEARNED_POSITION_ARCHITECTURES = ("GPT2LMHeadModel", "GPTBigCodeForCausalLM", "O
 MPT_ARCHITECTURES = ("MptForCausalLM", "MPTForCausalLM")
 # Families of LayerNorms (with their epsilon under layer_norm_eps, norm_epsilon or norm_eps).
 LAYER_NORM_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM", "Starcoder2ForCausalLM", "StableLmForCausalLM",
-                            "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM", "PersimmonForCausalLM")
+                            "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM", "PersimmonForCausalLM",
+                            "Jais2ForCausalLM")
 # Those whose MLP is ungated (one projection in, one out), and the activations served there (the
 # tanh forms of gelu under three names: gelu_new, gelu_fast, gelu_pytorch_tanh).
 UNGATED_MLP_ARCHITECTURES = ("Starcoder2ForCausalLM", "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM",
                              *GPT_ARCHITECTURES, "OPTForCausalLM", "FalconForCausalLM", "ApertusForCausalLM",
-                             "BloomForCausalLM", *MPT_ARCHITECTURES, "PersimmonForCausalLM")
+                             "BloomForCausalLM", *MPT_ARCHITECTURES, "PersimmonForCausalLM", "Jais2ForCausalLM")
 UNGATED_ACTIVATIONS = ("relu", "relu2", "gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh", "xielu")
 # transformers' Qwen3NextConfig defaults for the keys a Qwen3-Next config may leave out.
 QWEN3_NEXT_DEFAULTS = {"head_dim": 256, "partial_rotary_factor": 0.25, "linear_conv_kernel_dim": 4,
@@ -393,7 +406,7 @@ def _rope_from_dict(arch: str, cfg: dict[str, Any]) -> tuple[float, dict[str, An
                      "Olmo3ForCausalLM": 500_000.0, "CohereForCausalLM": 500_000.0, "HeliumForCausalLM": 100_000.0,
                      "Ernie4_5ForCausalLM": 500_000.0, "Ernie4_5_MoeForCausalLM": 500_000.0,
                      "FlexOlmoForCausalLM": 500_000.0, "CwmForCausalLM": 1_000_000.0,
-                     "MiniCPM5MoeForCausalLM": 5_000_000.0}.get(arch, 10000.0)
+                     "MiniCPM5MoeForCausalLM": 5_000_000.0, "SolarOpenForCausalLM": 1_000_000.0}.get(arch, 10000.0)
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params:
         params = params["full_attention"]
@@ -1830,12 +1843,13 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
                     moe_activation="swigluoai", swiglu_alpha=float(cfg.get("swiglu_alpha") or 1.702),
                     swiglu_limit=float(cfg.get("swiglu_limit") or 7.0))
     if arch in ("Glm4MoeForCausalLM", *DEEPSEEK_ARCHITECTURES, "Dots1ForCausalLM", "MiniCPM5MoeForCausalLM",
-                "Glm4MoeLiteForCausalLM", "ExaoneMoeForCausalLM"):
+                "Glm4MoeLiteForCausalLM", "ExaoneMoeForCausalLM", "SolarOpenForCausalLM"):
         # Routed experts from layer first_k_dense_replace on (dense MLPs of intermediate_size below;
         # DeepSeek's every moe_layer_freq-th layer; MiniCPM5-MoE's and GLM-4.7-Flash's where
         # mlp_layer_types says "sparse"), beside n_shared_experts shared ones. GLM-4.5 and 4.7-Flash,
-        # DeepSeek-V3 (topk_method noaux_tc), dots.llm1, MiniCPM5-MoE and K-EXAONE (its keys
-        # num_experts and num_shared_experts): sigmoid scores chosen through the correction
+        # DeepSeek-V3 (topk_method noaux_tc), dots.llm1, MiniCPM5-MoE, K-EXAONE (its keys
+        # num_experts and num_shared_experts) and Solar Open (experts in every layer, whatever
+        # first_k_dense_replace a config carries): sigmoid scores chosen through the correction
         # bias; DeepSeek-V2: the softmax, within the best groups under group_limited_greedy. (Their
         # routers in fp32: SparseMoeBlock's grouped top k.)
         v2 = arch == "DeepseekV2ForCausalLM"
@@ -1849,7 +1863,8 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
                     "DeepseekV3ForCausalLM": (256, 2048, 8, 3, 2.5), "Dots1ForCausalLM": (0, 1408, 0, 0, 1.0),
                     "MiniCPM5MoeForCausalLM": (160, 512, 16, 1, 3.66),
                     "Glm4MoeLiteForCausalLM": (64, 1536, 4, 1, 1.8),
-                    "ExaoneMoeForCausalLM": (64, 1024, 8, 1, 2.5)}[arch]
+                    "ExaoneMoeForCausalLM": (64, 1024, 8, 1, 2.5),
+                    "SolarOpenForCausalLM": (128, 1280, 8, 0, 1.0)}[arch]
         num_experts = read("n_routed_experts", defaults[0], "num_local_experts", "num_experts")
         width = read("moe_intermediate_size", defaults[1])
         grouped = 8 if arch == "DeepseekV3ForCausalLM" else 1  # (transformers' defaults: V3's 8 groups, 4 kept)
@@ -1867,10 +1882,12 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
             raise ValueError(f"num_experts_per_tok ({top_k}) must fit in topk_group ({kept}) groups of "
                              f"{num_experts // groups} experts, each of two or more")
         first_moe, every = read("first_k_dense_replace", defaults[3]), read("moe_layer_freq", 1) or 1
+        if arch == "SolarOpenForCausalLM":  # (transformers' SolarOpenConfig has neither key)
+            first_moe, every = 0, 1
         # (Its multi-token-prediction layers follow the decoder's, numbered on: speculative decoding's
         # mtp drafter builds the first, routed as the layer of its number would be.)
         # (K-EXAONE's are apart, under mtp.*, and not read; MiniCPM5-MoE has none.)
-        no_mtp = v2 or arch in ("ExaoneMoeForCausalLM", "MiniCPM5MoeForCausalLM")
+        no_mtp = v2 or arch in ("ExaoneMoeForCausalLM", "MiniCPM5MoeForCausalLM", "SolarOpenForCausalLM")
         num_mtp = 0 if no_mtp else int(cfg.get("num_nextn_predict_layers") or 0)
         moe_layers = tuple(i >= first_moe and i % every == 0 for i in range(num_layers + num_mtp))
         if arch in ("MiniCPM5MoeForCausalLM", "Glm4MoeLiteForCausalLM", "ExaoneMoeForCausalLM") \
@@ -2439,7 +2456,8 @@ class ModelConfig:
                    **{k: v for k, v in cfg.items() if v is not None}}
         if arch in QWEN3_NEXT_FAMILY:
             cfg = {**QWEN3_NEXT_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
-        if arch == "Qwen3_5MoeForCausalLM" and cfg.get("intermediate_size") is None:  # (no dense MLP: unread)
+        if arch in ("Qwen3_5MoeForCausalLM", "SolarOpenForCausalLM") \
+                and cfg.get("intermediate_size") is None:  # (no dense MLP: unread)
             cfg = {**cfg, "intermediate_size": int(cfg.get("moe_intermediate_size") or 512)}
         if arch in ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"):
             # (Its M-RoPE, over text alone, is plain RoPE: a text token's three positions are equal.)
@@ -2596,7 +2614,7 @@ class ModelConfig:
                 cfg = {**cfg, "layer_types": kinds}
             if not isinstance(kinds, list) or "sliding_attention" not in kinds:
                 sliding = None
-        elif arch in ("Glm4MoeForCausalLM", *GLM_DENSE_ARCHITECTURES, "HeliumForCausalLM"):
+        elif arch in ("Glm4MoeForCausalLM", *GLM_DENSE_ARCHITECTURES, "HeliumForCausalLM", "SolarOpenForCausalLM"):
             # (attention_bias: q, k and v's; o_proj has none)
             qkv_bias, o_bias, sliding = bool(cfg.get("attention_bias", False)), False, None
         elif arch in GEMMA_WINDOWED_ARCHITECTURES:

@@ -33,6 +33,10 @@ Persimmon (PersimmonForCausalLM: Adept's persimmon-8b-base / -chat): GPT-NeoX's 
 query and key head (qk_layernorm, as Phi's), RoPE over half of each head, an ungated relu^2 MLP,
 biases everywhere, an untied head; its ``dense`` (o_proj), ``q_layernorm`` / ``k_layernorm`` and
 ``final_layernorm`` read as ours.
+
+Jais 2 (Jais2ForCausalLM: inceptionai's Jais-2-8B-Chat): Llama's attention and layers with LayerNorms
+(weights and biases), Nemotron's ungated relu^2 MLP (up_proj, down_proj), biases on all four attention
+projections (attention_bias) and on the MLP's (mlp_bias), RoPE over whole heads.
 """
 
 from __future__ import annotations
@@ -135,6 +139,19 @@ class NemotronModel(LlamaModel):
 
 class NemotronForCausalLM(LlamaForCausalLM):
     model_class = NemotronModel
+
+
+class Jais2DecoderLayer(LlamaDecoderLayer):
+    norm_class = LayerNorm
+    mlp_class = UngatedMLP
+
+
+class Jais2Model(LlamaModel):
+    layer_class = Jais2DecoderLayer
+
+
+class Jais2ForCausalLM(LlamaForCausalLM):
+    model_class = Jais2Model
 
 
 class PhiMLP(UngatedMLP):

@@ -158,6 +158,11 @@ class Glm4MoeLiteForCausalLM(DeepseekV3ForCausalLM):
     in the layers mlp_layer_types calls sparse; its MTP layer drafts as DeepSeek-V3's."""
 
 
+class YoutuForCausalLM(DeepseekV2ForCausalLM):
+    """Tencent's Youtu-LLM (Youtu-LLM-2B and its base): DeepSeek-V3's latent attention (rotary values in
+    pairs unless rope_interleave is false) in Llama's layers, dense MLPs everywhere, a tied head."""
+
+
 class MiniCPM3ForCausalLM(DeepseekV2ForCausalLM):
     """MiniCPM3 (openbmb/MiniCPM3-4B): MLA with its rotary values in halves (no reordering), dense
     MLPs, and MiniCPM's scalings of the embeddings, residual adds and logits (ModelConfig's Granite

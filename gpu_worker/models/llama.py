@@ -722,6 +722,12 @@ class Glm4MoeForCausalLM(SkipsMtpLayers, LlamaForCausalLM):
     shared ones, chosen by sigmoid scores through a correction bias (SparseMoeBlock)."""
 
 
+class SolarOpenForCausalLM(LlamaForCausalLM):
+    """Upstage's Solar Open (Solar-Open-100B): GLM-4.5's layers without its q/k norms and dense layers,
+    RoPE over whole heads: routed experts in every layer beside an ungated shared one, chosen by sigmoid
+    scores through a correction bias (SparseMoeBlock); q/k/v biases under attention_bias, none on o_proj."""
+
+
 class Dots1ForCausalLM(LlamaForCausalLM):
     """rednote's dots.llm1 (dots.llm1.base / .inst): Qwen3's attention (per-head q/k norms) with
     DeepSeek-V3's experts: dense MLPs in the first layers, then routed experts beside shared ones,

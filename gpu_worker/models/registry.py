@@ -12,6 +12,7 @@ from gpu_worker.models.bert_rope import JinaEmbeddingsV3Model, RopeBertModel
 from gpu_worker.models.bloom import BloomForCausalLM
 from gpu_worker.models.classic import (
     GPTNeoXForCausalLM,
+    Jais2ForCausalLM,
     NemotronForCausalLM,
     PersimmonForCausalLM,
     PhiForCausalLM,
@@ -25,6 +26,7 @@ from gpu_worker.models.deepseek import (
     DeepseekV3ForCausalLM,
     Glm4MoeLiteForCausalLM,
     MiniCPM3ForCausalLM,
+    YoutuForCausalLM,
 )
 from gpu_worker.models.eagle import EAGLE_HEADS
 from gpu_worker.models.exaone import ExaoneForCausalLM
@@ -68,6 +70,7 @@ from gpu_worker.models.llama import (
     Qwen3MoeForCausalLM,
     SeedOssForCausalLM,
     SmolLM3ForCausalLM,
+    SolarOpenForCausalLM,
 )
 from gpu_worker.models.llama4 import Llama4ForCausalLM
 from gpu_worker.models.llava import llava_class
@@ -192,6 +195,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "InternLM2ForCausalLM": InternLM2ForCausalLM,
     "InternLM3ForCausalLM": InternLM3ForCausalLM,
     "ExaoneForCausalLM": ExaoneForCausalLM,
+    "Jais2ForCausalLM": Jais2ForCausalLM,
+    "SolarOpenForCausalLM": SolarOpenForCausalLM,
+    "YoutuForCausalLM": YoutuForCausalLM,
     "BertModel": BertModel,
     "RobertaModel": RobertaModel,
     "ModernBertModel": ModernBertModel,

@@ -51,6 +51,21 @@ CASES = {
     "hunyuan_dense_plain_rope_mqa": ("hunyuan_dense", {"num_key_value_heads": 1, "rope_parameters": {
         "rope_type": "default", "rope_theta": 10000.0}}),
     "persimmon_no_qk_layernorm_tied": ("persimmon", {"qk_layernorm": False, "tie_word_embeddings": True}),
+    # Jais 2: LayerNorms, an ungated relu^2 MLP, biases everywhere; and tied with one KV head.
+    "jais2": ("jais2", {}),
+    "jais2_mqa_tied": ("jais2", {"num_key_value_heads": 1, "tie_word_embeddings": True}),
+    # Solar Open: GLM-4.5's grouped sigmoid routing in every layer, q/k/v biases; and YaRN.
+    "solar_open": ("solar_open", {}),
+    "solar_open_yarn": ("solar_open", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                                           "original_max_position_embeddings": 16}}),
+    # Youtu-LLM: MLA (rotary values in pairs) with dense MLPs, tied; a plain query projection, rotary
+    # values in halves, untied; YaRN's mscale in the softmax scale.
+    "youtu": ("youtu", {}),
+    "youtu_plain_query_halves_untied": ("youtu", {"q_lora_rank": None, "rope_interleave": False,
+                                                  "tie_word_embeddings": False}),
+    "youtu_yarn": ("youtu", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                                 "original_max_position_embeddings": 64, "mscale_all_dim": 1.0,
+                                                 "mscale": 1.0}}),
     # Ministral 3: YaRN over a pretrained 16 positions, the 45-token prompt's queries past them scaled
     # by Llama 4's attention temperature; with a window too.
     "ministral3": ("ministral3", {}),
@@ -548,6 +563,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "MiniCPM5MoeForCausalLM", "MiniCPMForCausalLM", "Glm4MoeLiteForCausalLM",
                                    "ExaoneMoeForCausalLM", "Gemma3nForCausalLM", "InternLM2ForCausalLM",
                                    "InternLM3ForCausalLM", "ExaoneForCausalLM", "Gemma4ForCausalLM",
+                                   "Jais2ForCausalLM", "SolarOpenForCausalLM", "YoutuForCausalLM",
                                    "BertModel",
                                    "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
@@ -1551,6 +1567,60 @@ def test_exaone_moe_config_as_released():
     assert config.sliding_window == 128 and config.sliding_window_layers[:4] == (True, True, True, False)
     assert config.rope_layers == config.sliding_window_layers and config.qk_norm
     assert ModelConfig.from_dict({**released, "num_experts": None}).num_experts == 64  # (transformers' default)
+
+
+def test_jais2_config_as_released():
+    """Jais-2-8B-Chat's config as transformers' Jais2Config describes it: LayerNorms (layer_norm_eps),
+    relu^2 unless stated, biases on the attention's and the MLP's projections, 26 heads of 128."""
+    released = {"architectures": ["Jais2ForCausalLM"], "num_hidden_layers": 32, "layer_norm_eps": 1e-5,
+                "num_key_value_heads": 26, "rope_theta": 1000000.0}
+    config = ModelConfig.from_dict(released)
+    assert (config.hidden_size, config.intermediate_size, config.num_attention_heads, config.head_dim) == \
+        (3328, 26624, 26, 128)
+    assert config.hidden_act == "relu2" and config.qkv_bias and config.o_proj_bias and config.mlp_bias
+    assert config.rms_norm_eps == 1e-5 and config.rope_theta == 1000000.0 and config.eos_token_ids == (150024,)
+    assert config.vocab_size == 150272 and config.max_context_len == 8192 and not config.tie_word_embeddings
+    with pytest.raises(ValueError, match="hidden_act"):
+        ModelConfig.from_dict({**released, "hidden_act": "swish"})
+
+
+def test_solar_open_config_as_released():
+    """Solar-Open-100B's config: 128 experts of 1280 in every layer (a first_k_dense_replace carried over
+    is not read, as transformers' SolarOpenConfig has no such key), 8 a token, renormalised, one group,
+    a shared expert; 64 heads of 128 over 8 KV heads, RoPE base 1,000,000 unless stated, YaRN; no
+    intermediate_size (no dense MLP), no q/k norms, no MTP layers."""
+    released = {"architectures": ["SolarOpenForCausalLM"], "hidden_size": 4096, "num_hidden_layers": 48,
+                "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 196608,
+                "n_routed_experts": 128, "n_shared_experts": 1, "moe_intermediate_size": 1280,
+                "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+                "routed_scaling_factor": 1.0, "max_position_embeddings": 131072, "first_k_dense_replace": 3,
+                "rope_scaling": {"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 65536}}
+    config = ModelConfig.from_dict(released)
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (128, 8, 1280)
+    assert all(config.layer_is_moe(i) for i in range(48)) and config.num_mtp_layers == 0
+    assert config.shared_expert_intermediate_size == 1280 and not config.shared_expert_gated
+    assert config.moe_scoring == "sigmoid" and config.moe_correction_bias and config.norm_topk_prob
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (64, 8, 128)
+    assert config.rope_theta == 1_000_000.0 and config.rope_scaling["rope_type"] == "yarn"
+    assert not config.qk_norm and not config.qkv_bias and not config.o_proj_bias and config.rotary_dim == 128
+    assert ModelConfig.from_dict({**released, "attention_bias": True}).qkv_bias
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        ModelConfig.from_dict({**released, "partial_rotary_factor": 0.5})
+
+
+def test_youtu_config_as_released():
+    """Youtu-LLM-2B's config as transformers' YoutuConfig describes it: MLA of a 512-value latent, 128 + 64
+    query/key values a head, 128 value values, queries through 1536, rotary values in pairs; dense MLPs
+    of 6144, tied; a null q_lora_rank kept (a plain query projection)."""
+    released = {"architectures": ["YoutuForCausalLM"], "rope_theta": 1600000.0}
+    config = ModelConfig.from_dict(released)
+    assert (config.kv_lora_rank, config.q_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim,
+            config.v_head_dim) == (512, 1536, 128, 64, 128)
+    assert config.rope_interleave and config.attention_scale == pytest.approx(192 ** -0.5)
+    assert (config.num_key_value_heads, config.head_dim, config.rotary_dim) == (1, 576, 64)
+    assert config.num_experts == 0 and config.intermediate_size == 6144 and config.tie_word_embeddings
+    assert config.max_context_len == 131072 and config.eos_token_ids == (128001,) and config.rms_norm_eps == 1e-6
+    assert ModelConfig.from_dict({**released, "q_lora_rank": None}).q_lora_rank == 0
 
 
 def test_dbrx_config_as_released():

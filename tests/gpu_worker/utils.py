@@ -53,6 +53,7 @@ from transformers import (
     HeliumConfig,
     HunYuanDenseV1Config,
     HunYuanMoEV1Config,
+    Jais2Config,
     JambaConfig,
     Lfm2Config,
     Lfm2MoeConfig,
@@ -85,9 +86,11 @@ from transformers import (
     Qwen3NextConfig,
     SeedOssConfig,
     SmolLM3Config,
+    SolarOpenConfig,
     StableLmConfig,
     Starcoder2Config,
     VaultGemmaConfig,
+    YoutuConfig,
     Zamba2Config,
 )
 
@@ -176,6 +179,9 @@ def make_config(kind: str = "llama", **overrides):
                                                                          "factor": 1.0, "rope_theta": 10000.0},
                                      "num_experts": 8, "moe_topk": 2, "intermediate_size": 32, "pad_token_id": 0,
                                      "bos_token_id": 1, "eos_token_id": 2, **kw})
+    # Jais 2: LayerNorms, an ungated relu^2 MLP, biases on every projection.
+    if kind == "jais2":
+        return Jais2Config(**{"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
     if kind == "ministral3":
         return Ministral3Config(**{"rope_parameters": MINISTRAL3_ROPE, "head_dim": 16, "sliding_window": None,
                                    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
@@ -508,6 +514,13 @@ def make_config(kind: str = "llama", **overrides):
                                 "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1, "head_dim": 16,
                                 "attention_bias": True, "routed_scaling_factor": 2.5, "pad_token_id": 0,
                                 "bos_token_id": 1, "eos_token_id": 2, **kw})
+    # Solar Open: GLM-4.5's experts (8 in 2 groups, 1 kept, 2 a token, a shared one, scaled by 2.5) in
+    # every layer, q/k/v biases.
+    if kind == "solar_open":
+        return SolarOpenConfig(**{"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                  "n_group": 2, "topk_group": 1, "head_dim": 16, "attention_bias": True,
+                                  "routed_scaling_factor": 2.5, "pad_token_id": 0, "bos_token_id": 1,
+                                  "eos_token_id": 2, **kw})
     # DeepSeek-V3: MLA (a 32-value latent, 16 + 8 query/key values a head, 16 value values, queries
     # through a 32-value bottleneck; rotary values in pairs), then GLM-4.5's experts: 8 in 2 groups
     # (1 kept), 2 per token, a shared expert, the first layer dense, the weights scaled by 2.5.
@@ -529,6 +542,11 @@ def make_config(kind: str = "llama", **overrides):
     # MiniCPM3: MLA (a 32-value latent, 16 + 8 query/key values a head, 16 value values, queries through a
     # 32-value bottleneck; rotary values in halves), dense MLPs, MiniCPM's scalings (scale_emb 12,
     # scale_depth 1.4 over two layers, logits over 64 / 16).
+    # Youtu-LLM: DeepSeek-V3's latent attention (rotary values in pairs) with dense MLPs, tied.
+    if kind == "youtu":
+        return YoutuConfig(**{"q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+                              "v_head_dim": 16, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw,
+                              "num_key_value_heads": kw["num_attention_heads"]})
     if kind == "minicpm3":
         return MiniCPM3Config(**{"q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
                                  "v_head_dim": 16, "scale_emb": 12, "scale_depth": 1.4, "dim_model_base": 16,
