@@ -100,7 +100,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Glm4MoeLiteForCausalLM", "ExaoneMoeForCausalLM", "Gemma3nForCausalLM",
                            "InternLM2ForCausalLM", "InternLM3ForCausalLM", "ExaoneForCausalLM",
                            "Gemma4ForCausalLM", "Jais2ForCausalLM", "SolarOpenForCausalLM",
-                           "YoutuForCausalLM")
+                           "YoutuForCausalLM", "AfmoeForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -169,10 +169,16 @@ MINICPM5_MOE_DEFAULTS = {"vocab_size": 130560, "hidden_size": 2048, "intermediat
 YOUTU_DEFAULTS = {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 32,
                   "num_attention_heads": 16, "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
                   "tie_word_embeddings": True, "eos_token_id": 128001}
+# transformers' AfmoeConfig defaults (Trinity-Mini's; a null kept: a null sliding_window is no window,
+# a null head_dim hidden_size / heads); its experts' are _moe_from_dict's.
+AFMOE_DEFAULTS = {"vocab_size": 200192, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 32,
+                  "num_attention_heads": 16, "head_dim": 128, "max_position_embeddings": 16384, "rms_norm_eps": 1e-5,
+                  "sliding_window": 1024, "global_attn_every_n_layers": 4}
 # The families whose defaults fill only the keys a config leaves out (a null it states is read as
 # transformers reads it).
 NULL_KEEPING_DEFAULTS = {"MiniCPM3ForCausalLM": MINICPM3_DEFAULTS, "Glm4MoeLiteForCausalLM": GLM4_MOE_LITE_DEFAULTS,
-                         "MiniCPM5MoeForCausalLM": MINICPM5_MOE_DEFAULTS, "YoutuForCausalLM": YOUTU_DEFAULTS}
+                         "MiniCPM5MoeForCausalLM": MINICPM5_MOE_DEFAULTS, "YoutuForCausalLM": YOUTU_DEFAULTS,
+                         "AfmoeForCausalLM": AFMOE_DEFAULTS}
 # Another spelling of an architecture's name in released configs, read as transformers reads it.
 ARCHITECTURE_SPELLINGS = {"MiniCPM5MoEForCausalLM": "MiniCPM5MoeForCausalLM",
                           "ExaoneMoEForCausalLM": "ExaoneMoeForCausalLM"}
@@ -1309,6 +1315,32 @@ def _llama4_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
             "chunked_attention_layers": tuple(kind == "chunked_attention" for kind in cfg["layer_types"])}
 
 
+def _afmoe_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """AFMoE's layer kinds as transformers' AfmoeConfig reads them: where layer_types is absent, every
+    global_attn_every_n_layers-th layer full, the others windowed. Its released remote code's routing
+    keys, where a config carries them, must say what transformers runs (sigmoid scores, renormalised,
+    one group)."""
+    if cfg.get("score_func", "sigmoid") != "sigmoid" or cfg.get("route_norm", True) is False \
+            or int(cfg.get("n_group") or 1) != 1:
+        raise ValueError("AfmoeForCausalLM is served with sigmoid routing (score_func), renormalised (route_norm) "
+                         f"in one group (n_group), got {cfg.get('score_func')!r}, {cfg.get('route_norm')!r}, "
+                         f"{cfg.get('n_group')!r}")
+    if isinstance(cfg.get("layer_types"), list):
+        return cfg
+    every = int(cfg.get("global_attn_every_n_layers") or 4)
+    return {**cfg, "layer_types": ["sliding_attention" if (i + 1) % every else "full_attention"
+                                   for i in range(int(cfg["num_hidden_layers"]))]}
+
+
+def _afmoe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """AFMoE's windowed layers rotate (the full ones attend without positions: ModelConfig.rope_layers),
+    with a window where sliding_window is set; under mup_enabled the embeddings times sqrt(hidden_size)."""
+    if arch != "AfmoeForCausalLM":
+        return {}
+    return {"rope_layers": tuple(kind == "sliding_attention" for kind in cfg["layer_types"]),
+            "embedding_multiplier": float(cfg["hidden_size"]) ** 0.5 if cfg.get("mup_enabled") else 1.0}
+
+
 def _exaone4_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """EXAONE 4.0's layer kinds as transformers' Exaone4Config reads them: a window of sliding_window
     (4096 where the key is absent; none where it is null) on the layers layer_types names, else on
@@ -1906,6 +1938,18 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
                     moe_correction_bias=not v2, moe_num_groups=groups, moe_topk_groups=kept,
                     routed_scaling_factor=float(cfg.get("routed_scaling_factor", defaults[4])),
                     moe_layers=moe_layers)
+    if arch == "AfmoeForCausalLM":
+        # AFMoE's: routed experts from layer num_dense_layers on, chosen by sigmoid scores through the
+        # correction bias (expert_bias), no groups, renormalised, times route_scale; beside
+        # num_shared_experts ungated shared ones (one MLP that many experts wide).
+        width = read("moe_intermediate_size", 1408)
+        num_experts = read("num_experts", 64, "num_local_experts")
+        return dict(num_experts=num_experts, num_experts_per_tok=read("num_experts_per_tok", 6),
+                    moe_intermediate_size=width, norm_topk_prob=True,
+                    shared_expert_intermediate_size=width * read("num_shared_experts", 2), shared_expert_gated=False,
+                    moe_grouped_topk=True, moe_scoring="sigmoid", moe_correction_bias=True,
+                    routed_scaling_factor=float(cfg.get("route_scale") or 1.0),
+                    moe_layers=tuple(num_experts > 0 and i >= read("num_dense_layers", 1) for i in range(num_layers)))
     if arch == "Llama4ForCausalLM":
         # Llama 4's: routed experts (moe_intermediate_size wide) in the moe_layers, the top k by logit
         # weighted by their sigmoid (on the experts' inputs: Llama4MoE), beside a shared expert as wide.
@@ -2487,6 +2531,8 @@ class ModelConfig:
             cfg = _dbrx_config(cfg)
         if arch in NULL_KEEPING_DEFAULTS:  # (a key a config states, null included, wins)
             cfg = {**NULL_KEEPING_DEFAULTS[arch], **cfg}
+        if arch == "AfmoeForCausalLM":
+            cfg = _afmoe_config(cfg)
         if arch == "MiniCPMForCausalLM":
             cfg = _minicpm_config(cfg)
         if arch in ("InternLM2ForCausalLM", "InternLM3ForCausalLM"):
@@ -2635,6 +2681,7 @@ class ModelConfig:
                                                              "MixtralForCausalLM", "Phi3ForCausalLM",
                                                              "PhimoeForCausalLM",
                                                              "Cohere2ForCausalLM", *EXAONE_ARCHITECTURES,
+                                                             "AfmoeForCausalLM",
                                                              "Starcoder2ForCausalLM") else None)
             if arch == "SmolLM3ForCausalLM" and cfg.get("use_sliding_window"):
                 sliding = cfg.get("sliding_window")
@@ -2698,7 +2745,7 @@ class ModelConfig:
                              "Dots1ForCausalLM",
                              *HUNYUAN_ARCHITECTURES)
             or (arch == "Glm4MoeForCausalLM" and bool(cfg.get("use_qk_norm", False)))
-            or arch in (*LFM2_ARCHITECTURES, *EXAONE_ARCHITECTURES, "ApertusForCausalLM")
+            or arch in (*LFM2_ARCHITECTURES, *EXAONE_ARCHITECTURES, "ApertusForCausalLM", "AfmoeForCausalLM")
             or (arch in ("PhiForCausalLM", "PersimmonForCausalLM") and bool(cfg.get("qk_layernorm"))),
             eos_token_ids=eos,
             sliding_window=int(sliding) if sliding else None,
@@ -2734,6 +2781,7 @@ class ModelConfig:
             **_zamba2_fields(arch, cfg),
             **_cohere_fields(arch, cfg),
             **_exaone4_fields(arch, cfg),
+            **_afmoe_fields(arch, cfg),
             **_llama4_fields(arch, cfg),
             **_learned_positions_fields(arch, cfg, num_layers),
             **_alibi_fields(arch, cfg, head_dim, num_layers),

@@ -74,6 +74,10 @@ class LlamaAttention(nn.Module):
     def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """``rope``: (cos, sin) of each token's position, and under Llama 4's attention temperature
         (Ministral 3) each token's query scale after them (LlamaModel.forward)."""
+        return self.o_proj.forward(self.attend(rope, hidden, meta))
+
+    def attend(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The heads' outputs [tokens, heads * head_dim], before o_proj."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj.forward(hidden)
         if self.q_norm is None:
@@ -97,7 +101,7 @@ class LlamaAttention(nn.Module):
             q = q * rope[2]
         k = qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        return self.o_proj.forward(self.attn.forward(q, k, v, meta))
+        return self.attn.forward(q, k, v, meta)
 
 
 class LlamaMLP(nn.Module):

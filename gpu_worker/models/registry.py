@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from gpu_worker.config import ModelConfig
+from gpu_worker.models.afmoe import AfmoeForCausalLM
 from gpu_worker.models.apertus import ApertusForCausalLM
 from gpu_worker.models.arcee import ArceeForCausalLM
 from gpu_worker.models.bert import BertModel, RobertaModel
@@ -198,6 +199,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Jais2ForCausalLM": Jais2ForCausalLM,
     "SolarOpenForCausalLM": SolarOpenForCausalLM,
     "YoutuForCausalLM": YoutuForCausalLM,
+    "AfmoeForCausalLM": AfmoeForCausalLM,
     "BertModel": BertModel,
     "RobertaModel": RobertaModel,
     "ModernBertModel": ModernBertModel,

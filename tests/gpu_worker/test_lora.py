@@ -398,6 +398,47 @@ def test_adapters_on_ungated_mlps_and_renamed_projections_give_pefts_tokens(tmp_
     assert _drive(_worker(base, adapters).execute_model, adapters, prompts, max_loras=1) == expected
 
 
+def test_an_adapter_on_afmoes_attention_gate_gives_the_merged_models_tokens(tmp_path):
+    """AFMoE names two projections gate_proj: the attention's output gate (a projection of its own) and a
+    dense MLP's gate (a shard of our gate_up_proj). An adapter on both, and on q_proj, the MLP's up_proj
+    and the shared expert's down_proj, gives the tokens transformers gives for the base weights with
+    each B @ A x alpha / r added. (PEFT itself cannot write this adapter: its weight conversion takes
+    any gate_proj for the routed experts' fused gate and up; so it is written in PEFT's format here.)"""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    base = save_tiny_model(tmp_path / "base", "afmoe", vocab_size=251)
+    weights = load_file(str(base / "model.safetensors"))
+    torch.manual_seed(5)
+    rank, alpha = 8, 16.0
+    modules = [f"model.layers.{i}.self_attn.{p}" for i in (0, 1) for p in ("gate_proj", "q_proj")]
+    modules += ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj",
+                "model.layers.1.mlp.shared_experts.down_proj"]
+    adapter, merged = {}, dict(weights)
+    for module in modules:
+        out_features, in_features = weights[f"{module}.weight"].shape
+        a, b = torch.randn(rank, in_features) * 0.3, torch.randn(out_features, rank) * 0.3
+        adapter[f"base_model.model.{module}.lora_A.weight"] = a
+        adapter[f"base_model.model.{module}.lora_B.weight"] = b
+        merged[f"{module}.weight"] = weights[f"{module}.weight"] + b @ a * (alpha / rank)
+    (tmp_path / "a").mkdir()
+    save_file(adapter, str(tmp_path / "a" / "adapter_model.safetensors"))
+    (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": ["gate_proj", "q_proj", "up_proj",
+                                                                               "down_proj"],
+        "bias": "none", "base_model_name_or_path": str(base)}))
+    shutil.copytree(base, tmp_path / "merged")
+    save_file(merged, str(tmp_path / "merged" / "model.safetensors"), metadata={"format": "pt"})
+    adapters = {1: LoRARequest("a", 1, str(tmp_path / "a"))}
+    rng = random.Random(23)
+    prompts = [[rng.randrange(251) for _ in range(rng.randrange(3, 20))] for _ in range(3)]
+    expected = {f"r{i}": hf_greedy(load_hf(tmp_path / "merged" if i % 3 == 1 else base), p, MAX_TOKENS)
+                for i, p in enumerate(prompts)}
+    assert expected["r1"] != hf_greedy(load_hf(base), prompts[1], MAX_TOKENS)
+    assert _drive(_worker(base, adapters).execute_model, adapters, prompts, max_loras=1) == expected
+
+
 def test_gemma_adapters_of_the_vision_language_checkpoint_load_and_a_k_eq_v_key_adapter_is_refused(tmp_path):
     """An adapter trained on Gemma4ForConditionalGeneration names its modules under the language
     model's prefix (model.language_model.layers...) and may adapt the towers: it loads on the language

@@ -60,6 +60,13 @@ CASES = {
                                                            "original_max_position_embeddings": 16}}),
     # Youtu-LLM: MLA (rotary values in pairs) with dense MLPs, tied; a plain query projection, rotary
     # values in halves, untied; YaRN's mscale in the softmax scale.
+    # AFMoE: four norms a layer, the attention's output gated, windowed layers rotating and full ones
+    # without positions, sigmoid routing through expert_bias times route_scale beside a shared expert,
+    # mup's embedding scale; four layers, one KV head, tied, no mup; every layer routed, two shared.
+    "afmoe": ("afmoe", {}),
+    "afmoe_four_layers_mqa_tied": ("afmoe", {"num_hidden_layers": 4, "mup_enabled": False, "num_key_value_heads": 1,
+                                             "tie_word_embeddings": True}),
+    "afmoe_all_routed_two_shared": ("afmoe", {"num_shared_experts": 2, "num_dense_layers": 0, "route_scale": 1.0}),
     "youtu": ("youtu", {}),
     "youtu_plain_query_halves_untied": ("youtu", {"q_lora_rank": None, "rope_interleave": False,
                                                   "tie_word_embeddings": False}),
@@ -564,6 +571,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "ExaoneMoeForCausalLM", "Gemma3nForCausalLM", "InternLM2ForCausalLM",
                                    "InternLM3ForCausalLM", "ExaoneForCausalLM", "Gemma4ForCausalLM",
                                    "Jais2ForCausalLM", "SolarOpenForCausalLM", "YoutuForCausalLM",
+                                   "AfmoeForCausalLM",
                                    "BertModel",
                                    "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
@@ -1621,6 +1629,32 @@ def test_youtu_config_as_released():
     assert config.num_experts == 0 and config.intermediate_size == 6144 and config.tie_word_embeddings
     assert config.max_context_len == 131072 and config.eos_token_ids == (128001,) and config.rms_norm_eps == 1e-6
     assert ModelConfig.from_dict({**released, "q_lora_rank": None}).q_lora_rank == 0
+
+
+def test_afmoe_config_as_released():
+    """Trinity-Mini's config as transformers' AfmoeConfig describes it: 32 layers, three windowed
+    (1024 tokens, rotating) to one full (no positions), the first dense, then 64 experts of 1408, 6 a
+    token, sigmoid scores through the correction bias, renormalised, times route_scale, beside two
+    shared; per-head q/k norms; mup's embedding scale where enabled; the remote code's routing keys
+    read where they agree with transformers, refused where they do not."""
+    released = {"architectures": ["AfmoeForCausalLM"], "num_key_value_heads": 4, "route_scale": 2.826,
+                "mup_enabled": True, "score_func": "sigmoid", "route_norm": True, "n_group": 1, "topk_group": 1}
+    config = ModelConfig.from_dict(released)
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (64, 6, 1408)
+    assert config.shared_expert_intermediate_size == 2 * 1408 and not config.shared_expert_gated
+    assert config.moe_scoring == "sigmoid" and config.moe_correction_bias and config.norm_topk_prob
+    assert config.routed_scaling_factor == pytest.approx(2.826) and config.moe_num_groups == 1
+    assert [config.layer_is_moe(i) for i in (0, 1, 31)] == [False, True, True]
+    assert config.sliding_window == 1024 and config.sliding_window_layers[:4] == (True, True, True, False)
+    assert config.rope_layers == config.sliding_window_layers and config.qk_norm
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (16, 4, 128)
+    assert config.embedding_multiplier == pytest.approx(2048 ** 0.5) and config.max_context_len == 16384
+    unwindowed = ModelConfig.from_dict({**released, "sliding_window": None, "mup_enabled": False})
+    assert unwindowed.sliding_window is None and unwindowed.rope_layers[:4] == (True, True, True, False)
+    assert unwindowed.embedding_multiplier == 1.0
+    for key, value in (("score_func", "softmax"), ("route_norm", False), ("n_group", 4)):
+        with pytest.raises(ValueError, match="sigmoid routing"):
+            ModelConfig.from_dict({**released, key: value})
 
 
 def test_dbrx_config_as_released():

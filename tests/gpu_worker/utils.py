@@ -11,6 +11,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np
 import torch
 from transformers import (
+    AfmoeConfig,
     ApertusConfig,
     ArceeConfig,
     AutoModelForCausalLM,
@@ -542,6 +543,15 @@ def make_config(kind: str = "llama", **overrides):
     # MiniCPM3: MLA (a 32-value latent, 16 + 8 query/key values a head, 16 value values, queries through a
     # 32-value bottleneck; rotary values in halves), dense MLPs, MiniCPM's scalings (scale_emb 12,
     # scale_depth 1.4 over two layers, logits over 64 / 16).
+    # AFMoE (Trinity): four norms a layer, gated attention output, q/k norms; windowed layers (a window
+    # of 8) rotate, the full one (every second here) attends without positions; one dense layer, then 8
+    # experts of 32 (2 a token, sigmoid through expert_bias, times 2.5) beside a shared one; mup's
+    # embedding scale.
+    if kind == "afmoe":
+        return AfmoeConfig(**{"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                              "num_shared_experts": 1, "num_dense_layers": 1, "route_scale": 2.5, "sliding_window": 8,
+                              "global_attn_every_n_layers": 2, "head_dim": 16, "mup_enabled": True,
+                              "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
     # Youtu-LLM: DeepSeek-V3's latent attention (rotary values in pairs) with dense MLPs, tied.
     if kind == "youtu":
         return YoutuConfig(**{"q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
@@ -654,6 +664,10 @@ def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides)
             if kind in ("nemotron", "phi", "gpt_neox") and name.endswith(("layernorm.weight", "norm.weight",
                                                                          "layer_norm.weight")):
                 param.normal_(0.0 if kind == "nemotron" else 1.0, 0.3 if kind == "nemotron" else 0.5)
+            # AFMoE's router starts at zero (every expert tied), its expert_bias too; its four norms a
+            # layer at one: drawn apart, so a norm misplaced or skipped shows.
+            if kind == "afmoe" and name.endswith(("router.gate.weight", "expert_bias", "norm.weight")):
+                param.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.5)
             if name.endswith(("mamba.norm.weight", "mixer.norm.weight")) or (kind == "nemotron_h"
                                                                              and name.endswith("norm.weight")):
                 param.uniform_(0.5, 1.5)
