@@ -100,7 +100,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Glm4MoeLiteForCausalLM", "ExaoneMoeForCausalLM", "Gemma3nForCausalLM",
                            "InternLM2ForCausalLM", "InternLM3ForCausalLM", "ExaoneForCausalLM",
                            "Gemma4ForCausalLM", "Jais2ForCausalLM", "SolarOpenForCausalLM",
-                           "YoutuForCausalLM", "AfmoeForCausalLM")
+                           "YoutuForCausalLM", "AfmoeForCausalLM", "LagunaForCausalLM", "MellumForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -174,11 +174,22 @@ YOUTU_DEFAULTS = {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size"
 AFMOE_DEFAULTS = {"vocab_size": 200192, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 32,
                   "num_attention_heads": 16, "head_dim": 128, "max_position_embeddings": 16384, "rms_norm_eps": 1e-5,
                   "sliding_window": 1024, "global_attn_every_n_layers": 4}
+# poolside's Laguna and JetBrains' Mellum: per-layer-type RoPE (its own base, and for Laguna its own
+# share of each head, for the full and the windowed layers), per-layer MLP kinds (mlp_layer_types).
+LAGUNA_ARCHITECTURES = ("LagunaForCausalLM", "MellumForCausalLM")
+# transformers' LagunaConfig and MellumConfig defaults (a null kept: a null sliding_window is no window).
+LAGUNA_DEFAULTS = {"vocab_size": 100352, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 40,
+                   "num_attention_heads": 48, "num_key_value_heads": 8, "head_dim": 128,
+                   "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "sliding_window": 512}
+MELLUM_DEFAULTS = {"vocab_size": 98304, "hidden_size": 2304, "intermediate_size": 7168, "num_hidden_layers": 28,
+                   "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                   "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "sliding_window": 1024}
 # The families whose defaults fill only the keys a config leaves out (a null it states is read as
 # transformers reads it).
 NULL_KEEPING_DEFAULTS = {"MiniCPM3ForCausalLM": MINICPM3_DEFAULTS, "Glm4MoeLiteForCausalLM": GLM4_MOE_LITE_DEFAULTS,
                          "MiniCPM5MoeForCausalLM": MINICPM5_MOE_DEFAULTS, "YoutuForCausalLM": YOUTU_DEFAULTS,
-                         "AfmoeForCausalLM": AFMOE_DEFAULTS}
+                         "AfmoeForCausalLM": AFMOE_DEFAULTS, "LagunaForCausalLM": LAGUNA_DEFAULTS,
+                         "MellumForCausalLM": MELLUM_DEFAULTS}
 # Another spelling of an architecture's name in released configs, read as transformers reads it.
 ARCHITECTURE_SPELLINGS = {"MiniCPM5MoEForCausalLM": "MiniCPM5MoeForCausalLM",
                           "ExaoneMoEForCausalLM": "ExaoneMoeForCausalLM"}
@@ -249,7 +260,8 @@ APERTUS_ROPE_DEFAULTS = {"rope_type": "llama3", "rope_theta": 12000000.0, "facto
 GPT_OSS_ROPE_DEFAULTS = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                          "original_max_position_embeddings": 4096}
 # Those whose heads may rotate only their first values (partial_rotary_factor).
-PARTIAL_ROTARY_ARCHITECTURES = ("Phi3ForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Qwen3NextForCausalLM",
+PARTIAL_ROTARY_ARCHITECTURES = ("LagunaForCausalLM", "Phi3ForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM",
+                                "Qwen3NextForCausalLM",
                                 "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "BambaForCausalLM", "Glm4ForCausalLM",
                                 "StableLmForCausalLM", "GlmForCausalLM", "NemotronForCausalLM", "PhiForCausalLM",
                                 "GPTNeoXForCausalLM", "GPTJForCausalLM", "PersimmonForCausalLM")
@@ -1341,6 +1353,60 @@ def _afmoe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
             "embedding_multiplier": float(cfg["hidden_size"]) ** 0.5 if cfg.get("mup_enabled") else 1.0}
 
 
+def _laguna_config(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Laguna's and Mellum's layer kinds and RoPE as transformers' LagunaConfig / MellumConfig read them:
+    every layer full where layer_types is absent; mlp_layer_types "dense" or "sparse" (Laguna: the
+    first dense, the others sparse; Mellum: all sparse); rope_parameters one dict per layer kind (the
+    full layers' RoPE base 500,000 and, for Laguna, half of each head; the windowed layers' base
+    10,000, whole heads), the full layers' share read as the model's partial_rotary_factor."""
+    num_layers = int(cfg["num_hidden_layers"])
+    laguna = arch == "LagunaForCausalLM"
+    kinds = cfg["layer_types"] if isinstance(cfg.get("layer_types"), list) else ["full_attention"] * num_layers
+    mlp_kinds = cfg.get("mlp_layer_types")
+    if not isinstance(mlp_kinds, list):
+        mlp_kinds = (["dense"] if laguna else ["sparse"]) + ["sparse"] * (num_layers - 1)
+    if len(mlp_kinds) != num_layers or not set(mlp_kinds) <= {"dense", "sparse"}:
+        raise ValueError(f"mlp_layer_types must name 'dense' or 'sparse' for each of the {num_layers} layers, "
+                         f"got {mlp_kinds}")
+    params = cfg.get("rope_parameters")
+    if not isinstance(params, dict) or not params:
+        params = {"full_attention": {"rope_type": "default", "rope_theta": 500000.0,
+                                     **({"partial_rotary_factor": 0.5} if laguna else {})},
+                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    missing = sorted({kind for kind in kinds if not isinstance(params.get(kind), dict)})
+    if missing:
+        raise ValueError(f"{arch}'s rope_parameters must give one dict per layer kind, got none for {missing}")
+    if "sliding_attention" in kinds and not cfg.get("sliding_window"):
+        raise ValueError(f"{arch}'s sliding_attention layers need a sliding_window")
+    full = params.get("full_attention") or {}
+    return {**cfg, "layer_types": kinds, "mlp_layer_types": mlp_kinds, "rope_parameters": params,
+            "partial_rotary_factor": float(full.get("partial_rotary_factor", 1.0))}
+
+
+def _laguna_fields(arch: str, cfg: dict[str, Any], head_dim: int) -> dict[str, Any]:
+    """Laguna's and Mellum's windowed layers' plain RoPE (its base, and Laguna's share of each head;
+    Mellum's rotates whole heads), Laguna's per-layer query heads and its router's soft cap."""
+    if arch not in LAGUNA_ARCHITECTURES:
+        return {}
+    local = cfg["rope_parameters"].get("sliding_attention") or {}
+    share = float(local.get("partial_rotary_factor", 1.0))
+    rotary = int(head_dim * share + 1e-6)
+    if (arch == "MellumForCausalLM" and share != 1.0) or not 0 < rotary <= head_dim or rotary % 2:
+        raise ValueError(f"the windowed layers' partial_rotary_factor must give an even rotary width for {arch} "
+                         f"(whole heads for Mellum), got {share}")
+    fields: dict[str, Any] = {"local_rope_theta": _local_rope_theta(arch, cfg, 10000.0), "local_rotary_dim": rotary}
+    if arch == "LagunaForCausalLM":
+        heads = cfg.get("num_attention_heads_per_layer")
+        if isinstance(heads, list):
+            kv_heads = int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
+            if len(heads) != int(cfg["num_hidden_layers"]) or any(int(h) % kv_heads for h in heads):
+                raise ValueError(f"num_attention_heads_per_layer must give, for each layer, a multiple of "
+                                 f"num_key_value_heads ({kv_heads}), got {heads}")
+            fields["layer_num_attention_heads"] = tuple(int(h) for h in heads)
+        fields["moe_router_logit_softcapping"] = float(cfg.get("moe_router_logit_softcapping") or 0.0)
+    return fields
+
+
 def _exaone4_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """EXAONE 4.0's layer kinds as transformers' Exaone4Config reads them: a window of sliding_window
     (4096 where the key is absent; none where it is null) on the layers layer_types names, else on
@@ -1950,6 +2016,27 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
                     moe_grouped_topk=True, moe_scoring="sigmoid", moe_correction_bias=True,
                     routed_scaling_factor=float(cfg.get("route_scale") or 1.0),
                     moe_layers=tuple(num_experts > 0 and i >= read("num_dense_layers", 1) for i in range(num_layers)))
+    if arch in LAGUNA_ARCHITECTURES:
+        # Laguna's: routed experts where mlp_layer_types says sparse, chosen by sigmoid scores (of
+        # logits soft-capped where moe_router_logit_softcapping is set) through the correction bias,
+        # no groups, renormalised, times moe_routed_scaling_factor, beside an ungated shared expert of
+        # shared_expert_intermediate_size. Mellum's: Qwen3-MoE's, the softmax's top k (renormalised
+        # under norm_topk_prob), no shared expert.
+        moe_layers = tuple(kind == "sparse" for kind in cfg["mlp_layer_types"])
+        if arch == "MellumForCausalLM":
+            return dict(num_experts=read("num_local_experts", 64, "num_experts"),
+                        num_experts_per_tok=read("num_experts_per_tok", 8),
+                        moe_intermediate_size=read("moe_intermediate_size", 896),
+                        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), moe_layers=moe_layers)
+        if cfg.get("moe_apply_router_weight_on_input"):
+            raise ValueError("LagunaForCausalLM with moe_apply_router_weight_on_input is not served, as "
+                             "transformers refuses it")
+        return dict(num_experts=read("num_experts", 256, "num_local_experts"),
+                    num_experts_per_tok=read("num_experts_per_tok", 8),
+                    moe_intermediate_size=read("moe_intermediate_size", 512), norm_topk_prob=True,
+                    shared_expert_intermediate_size=read("shared_expert_intermediate_size", 512),
+                    shared_expert_gated=False, moe_grouped_topk=True, moe_scoring="sigmoid", moe_correction_bias=True,
+                    routed_scaling_factor=float(cfg.get("moe_routed_scaling_factor") or 1.0), moe_layers=moe_layers)
     if arch == "Llama4ForCausalLM":
         # Llama 4's: routed experts (moe_intermediate_size wide) in the moe_layers, the top k by logit
         # weighted by their sigmoid (on the experts' inputs: Llama4MoE), beside a shared expert as wide.
@@ -2240,8 +2327,14 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     # Gemma 3: the sliding-window layers' RoPE base (plain RoPE; the others use rope_theta and
-    # rope_scaling). None: every layer rotates alike.
+    # rope_scaling). None: every layer rotates alike. Laguna's also turn their own share of each head
+    # (local_rotary_dim; 0: rotary_dim's).
     local_rope_theta: float | None = None
+    local_rotary_dim: int = 0
+    # Laguna: each layer's query heads (empty: num_attention_heads in every layer; the KV heads are
+    # num_key_value_heads in every layer), and its router's soft cap on the logits (0: none).
+    layer_num_attention_heads: tuple[int, ...] = ()
+    moe_router_logit_softcapping: float = 0.0
     # Ministral 3 (Llama 4's attention temperature): (beta, length): each query is scaled by
     # 1 + beta * log(1 + floor(position / length)) after RoPE. None: queries are not scaled.
     llama_4_scaling: tuple[float, int] | None = None
@@ -2331,6 +2424,10 @@ class ModelConfig:
         if self.attention_multiplier is not None:
             return self.attention_multiplier
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_attention_heads(self, layer: int) -> int:
+        """Decoder layer ``layer``'s query heads."""
+        return self.layer_num_attention_heads[layer] if self.layer_num_attention_heads else self.num_attention_heads
 
     def layer_is_mamba(self, layer: int) -> bool:
         return bool(self.mamba_layers) and self.mamba_layers[layer]
@@ -2533,6 +2630,8 @@ class ModelConfig:
             cfg = {**NULL_KEEPING_DEFAULTS[arch], **cfg}
         if arch == "AfmoeForCausalLM":
             cfg = _afmoe_config(cfg)
+        if arch in LAGUNA_ARCHITECTURES:
+            cfg = _laguna_config(arch, cfg)
         if arch == "MiniCPMForCausalLM":
             cfg = _minicpm_config(cfg)
         if arch in ("InternLM2ForCausalLM", "InternLM3ForCausalLM"):
@@ -2681,7 +2780,7 @@ class ModelConfig:
                                                              "MixtralForCausalLM", "Phi3ForCausalLM",
                                                              "PhimoeForCausalLM",
                                                              "Cohere2ForCausalLM", *EXAONE_ARCHITECTURES,
-                                                             "AfmoeForCausalLM",
+                                                             "AfmoeForCausalLM", *LAGUNA_ARCHITECTURES,
                                                              "Starcoder2ForCausalLM") else None)
             if arch == "SmolLM3ForCausalLM" and cfg.get("use_sliding_window"):
                 sliding = cfg.get("sliding_window")
@@ -2745,7 +2844,8 @@ class ModelConfig:
                              "Dots1ForCausalLM",
                              *HUNYUAN_ARCHITECTURES)
             or (arch == "Glm4MoeForCausalLM" and bool(cfg.get("use_qk_norm", False)))
-            or arch in (*LFM2_ARCHITECTURES, *EXAONE_ARCHITECTURES, "ApertusForCausalLM", "AfmoeForCausalLM")
+            or arch in (*LFM2_ARCHITECTURES, *EXAONE_ARCHITECTURES, "ApertusForCausalLM", "AfmoeForCausalLM",
+                        *LAGUNA_ARCHITECTURES)
             or (arch in ("PhiForCausalLM", "PersimmonForCausalLM") and bool(cfg.get("qk_layernorm"))),
             eos_token_ids=eos,
             sliding_window=int(sliding) if sliding else None,
@@ -2782,6 +2882,7 @@ class ModelConfig:
             **_cohere_fields(arch, cfg),
             **_exaone4_fields(arch, cfg),
             **_afmoe_fields(arch, cfg),
+            **_laguna_fields(arch, cfg, head_dim),
             **_llama4_fields(arch, cfg),
             **_learned_positions_fields(arch, cfg, num_layers),
             **_alibi_fields(arch, cfg, head_dim, num_layers),

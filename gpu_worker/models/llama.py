@@ -42,14 +42,14 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int = 0, norm_class: type[RMSNorm] = RMSNorm) -> None:
         super().__init__()
         self.head_dim = config.head_dim
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, bias=config.qkv_bias)
+        heads = config.layer_attention_heads(layer)  # (Laguna's differ by layer)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim, heads, config.num_key_value_heads,
+                                          bias=config.qkv_bias)
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.qkv_proj.q_size
         self.kv_size = self.qkv_proj.kv_size
-        self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size,
-                                        bias=config.o_proj_bias)
+        self.o_proj = RowParallelLinear(heads * config.head_dim, config.hidden_size, bias=config.o_proj_bias)
         # BLOOM's, MPT's, falcon-rw's ALiBi: the slopes of this rank's heads.
         slopes = None
         if config.alibi_bias_max is not None:
@@ -163,6 +163,8 @@ class SparseMoeBlock(nn.Module):
         self.num_groups, self.topk_groups = config.moe_num_groups, config.moe_topk_groups
         self.jitter_eps = config.sparsemixer_jitter_eps
         self.routed_scaling_factor = config.routed_scaling_factor
+        # (Laguna's: cap * tanh(logit / cap) on the router's logits; 0: none.)
+        self.logit_softcap = config.moe_router_logit_softcapping
         self.experts = FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
                                 config.moe_intermediate_size, expert_parallel=config.expert_parallel,
                                 bias=config.moe_bias, activation=config.moe_activation,
@@ -180,8 +182,11 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.grouped_topk:
+            logits = self.gate.forward(x.float())
+            if self.logit_softcap:
+                logits = torch.tanh(logits / self.logit_softcap).mul_(self.logit_softcap)
             weights, ids = select_experts_grouped(
-                self.gate.forward(x.float()), self.experts.top_k, self.renormalize,
+                logits, self.experts.top_k, self.renormalize,
                 getattr(self.gate, "e_score_correction_bias", None), self.num_groups, self.topk_groups,
                 self.routed_scaling_factor, self.scoring)
         elif self.scoring == "sparsemixer":
@@ -332,10 +337,11 @@ class LlamaModel(nn.Module):
                                           config.rope_theta, config.rope_scaling,
                                           mrope_section=config.mrope_section,
                                           mrope_interleaved=config.mrope_interleaved)
-        # OLMo 3: its sliding-window layers' plain RoPE (the others': rope_theta and rope_scaling).
+        # OLMo 3: its sliding-window layers' plain RoPE (the others': rope_theta and rope_scaling); Laguna's
+        # over their own share of each head.
         self.local_rotary_emb = (None if config.local_rope_theta is None else
-                                 RotaryEmbedding(config.rotary_dim or config.head_dim, config.max_context_len,
-                                                 config.local_rope_theta))
+                                 RotaryEmbedding(config.local_rotary_dim or config.rotary_dim or config.head_dim,
+                                                 config.max_context_len, config.local_rope_theta))
         self.layers = stage.layers(config, self.layer_class)
         # (The layers' kind of norm: Cohere's, StarCoder2's LayerNorms.)
         self.norm = (self.layer_class.norm_class(config.hidden_size, config.rms_norm_eps) if stage.last

@@ -44,6 +44,7 @@ from gpu_worker.models.idefics3 import Idefics3ForConditionalGeneration
 from gpu_worker.models.internlm import InternLM2ForCausalLM, InternLM3ForCausalLM
 from gpu_worker.models.internvl import internvl_class
 from gpu_worker.models.jamba import JambaForCausalLM
+from gpu_worker.models.laguna import LagunaForCausalLM, MellumForCausalLM
 from gpu_worker.models.language_model_only import language_model_class
 from gpu_worker.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM
 from gpu_worker.models.llama import (
@@ -200,6 +201,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "SolarOpenForCausalLM": SolarOpenForCausalLM,
     "YoutuForCausalLM": YoutuForCausalLM,
     "AfmoeForCausalLM": AfmoeForCausalLM,
+    "LagunaForCausalLM": LagunaForCausalLM,
+    "MellumForCausalLM": MellumForCausalLM,
     "BertModel": BertModel,
     "RobertaModel": RobertaModel,
     "ModernBertModel": ModernBertModel,

@@ -67,6 +67,25 @@ CASES = {
     "afmoe_four_layers_mqa_tied": ("afmoe", {"num_hidden_layers": 4, "mup_enabled": False, "num_key_value_heads": 1,
                                              "tie_word_embeddings": True}),
     "afmoe_all_routed_two_shared": ("afmoe", {"num_shared_experts": 2, "num_dense_layers": 0, "route_scale": 1.0}),
+    # Laguna: windowed and full layers of 4 and 2 query heads (the full ones rotating half of each head,
+    # base 500,000), softplus gates per head, soft-capped sigmoid routing beside a shared expert; per-
+    # channel gates, no cap, tied; every layer full with one KV head; YaRN on the full layers and half
+    # of each head turning in the windowed ones too.
+    "laguna": ("laguna", {}),
+    "laguna_per_element_gate_uncapped_tied": ("laguna", {"gating": "per-element", "moe_router_logit_softcapping": 0.0,
+                                                         "tie_word_embeddings": True}),
+    "laguna_full_layers_mqa": ("laguna", {"layer_types": None, "num_attention_heads_per_layer": None,
+                                          "num_key_value_heads": 1}),
+    "laguna_yarn_partial_windowed": ("laguna", {"rope_parameters": {
+        "full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 500000.0,
+                           "original_max_position_embeddings": 16, "partial_rotary_factor": 0.5},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}}),
+    # Mellum: Qwen3-MoE's attention and experts where mlp_layer_types says sparse, a RoPE base per layer
+    # kind; one KV head, tied, not renormalised; transformers' defaults (every layer full and routed).
+    "mellum": ("mellum", {}),
+    "mellum_mqa_tied_unnormalised": ("mellum", {"num_key_value_heads": 1, "tie_word_embeddings": True,
+                                                "norm_topk_prob": False}),
+    "mellum_defaults": ("mellum", {"mlp_layer_types": None, "layer_types": None}),
     "youtu": ("youtu", {}),
     "youtu_plain_query_halves_untied": ("youtu", {"q_lora_rank": None, "rope_interleave": False,
                                                   "tie_word_embeddings": False}),
@@ -571,7 +590,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "ExaoneMoeForCausalLM", "Gemma3nForCausalLM", "InternLM2ForCausalLM",
                                    "InternLM3ForCausalLM", "ExaoneForCausalLM", "Gemma4ForCausalLM",
                                    "Jais2ForCausalLM", "SolarOpenForCausalLM", "YoutuForCausalLM",
-                                   "AfmoeForCausalLM",
+                                   "AfmoeForCausalLM", "LagunaForCausalLM", "MellumForCausalLM",
                                    "BertModel",
                                    "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
@@ -1655,6 +1674,56 @@ def test_afmoe_config_as_released():
     for key, value in (("score_func", "softmax"), ("route_norm", False), ("n_group", 4)):
         with pytest.raises(ValueError, match="sigmoid routing"):
             ModelConfig.from_dict({**released, key: value})
+
+
+def test_laguna_config_as_released():
+    """laguna-XS.2's config as transformers' LagunaConfig describes it (a windowed layer of 512 tokens
+    among full ones here): 48 query heads of 128 over 8 KV heads, per-layer heads where listed; the full
+    layers' RoPE base 500,000 over half of each head, the windowed layers' 10,000 over whole heads;
+    the first layer dense, then 256 experts of 512, 8 a token, sigmoid scores through the correction
+    bias, renormalised, times moe_routed_scaling_factor, beside a shared expert of 512; per-head q/k
+    norms; the router's weights on its input, and a windowed layer without a window, refused."""
+    released = {"architectures": ["LagunaForCausalLM"], "num_hidden_layers": 4, "moe_routed_scaling_factor": 2.5,
+                "layer_types": ["full_attention", "sliding_attention", "full_attention", "full_attention"],
+                "num_attention_heads_per_layer": [48, 64, 48, 48], "moe_router_logit_softcapping": 30.0}
+    config = ModelConfig.from_dict(released)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (48, 8, 128)
+    assert [config.layer_attention_heads(i) for i in range(4)] == [48, 64, 48, 48]
+    assert config.rope_theta == 500000.0 and config.rotary_dim == 64 and config.rope_scaling is None
+    assert config.local_rope_theta == 10000.0 and config.local_rotary_dim == 128
+    assert config.sliding_window == 512 and config.sliding_window_layers == (False, True, False, False)
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (256, 8, 512)
+    assert [config.layer_is_moe(i) for i in range(4)] == [False, True, True, True] and config.norm_topk_prob
+    assert config.shared_expert_intermediate_size == 512 and not config.shared_expert_gated
+    assert config.moe_scoring == "sigmoid" and config.moe_correction_bias and config.routed_scaling_factor == 2.5
+    assert config.moe_router_logit_softcapping == 30.0 and config.qk_norm and config.max_context_len == 131072
+    with pytest.raises(ValueError, match="moe_apply_router_weight_on_input"):
+        ModelConfig.from_dict({**released, "moe_apply_router_weight_on_input": True})
+    with pytest.raises(ValueError, match="need a sliding_window"):
+        ModelConfig.from_dict({**released, "sliding_window": None})
+    with pytest.raises(ValueError, match="num_attention_heads_per_layer"):
+        ModelConfig.from_dict({**released, "num_attention_heads_per_layer": [48, 60, 48, 48]})
+
+
+def test_mellum_config_as_released():
+    """Mellum2-12B-A2.5B's config as transformers' MellumConfig describes it: 28 layers, all routed by
+    default (64 experts of 896, 8 a token, the softmax's top k renormalised), 32 query heads of 128 over
+    4 KV heads, per-head q/k norms, a RoPE base per layer kind (500,000 full, 10,000 windowed), whole
+    heads turning (a share refused, as transformers' Mellum rotates whole heads); its MTP layer not
+    counted."""
+    released = {"architectures": ["MellumForCausalLM"], "num_mtp_layers": 1,
+                "layer_types": ["sliding_attention", "full_attention"] * 14}
+    config = ModelConfig.from_dict(released)
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (64, 8, 896)
+    assert all(config.layer_is_moe(i) for i in range(28)) and config.norm_topk_prob and not config.moe_grouped_topk
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (32, 4, 128)
+    assert config.rope_theta == 500000.0 and config.local_rope_theta == 10000.0 and config.rotary_dim == 128
+    assert config.sliding_window == 1024 and config.sliding_window_layers[:2] == (True, False) and config.qk_norm
+    assert config.shared_expert_intermediate_size == 0 and config.num_mtp_layers == 0
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        ModelConfig.from_dict({**released, "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 500000.0, "partial_rotary_factor": 0.5},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}})
 
 
 def test_dbrx_config_as_released():

@@ -56,11 +56,13 @@ from transformers import (
     HunYuanMoEV1Config,
     Jais2Config,
     JambaConfig,
+    LagunaConfig,
     Lfm2Config,
     Lfm2MoeConfig,
     LlamaConfig,
     Mamba2Config,
     MambaConfig,
+    MellumConfig,
     MiniCPM3Config,
     MiniCPM5MoeConfig,
     MiniMaxM2Config,
@@ -552,6 +554,26 @@ def make_config(kind: str = "llama", **overrides):
                               "num_shared_experts": 1, "num_dense_layers": 1, "route_scale": 2.5, "sliding_window": 8,
                               "global_attn_every_n_layers": 2, "head_dim": 16, "mup_enabled": True,
                               "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
+    # Laguna: 4 layers, windowed (8) and full in turn, 4 then 2 query heads over 2 KV heads, the full layers
+    # rotating half of each head with base 500,000; softplus output gates per head; the first layer
+    # dense, then 8 experts of 32 (2 a token, sigmoid through the correction bias, soft-capped logits,
+    # times 2.5) beside a shared one.
+    if kind == "laguna":
+        layers = max(4, kw["num_hidden_layers"])
+        return LagunaConfig(**{"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                               "shared_expert_intermediate_size": 32, "moe_routed_scaling_factor": 2.5,
+                               "moe_router_logit_softcapping": 3.0, "sliding_window": 8, "head_dim": 16,
+                               "layer_types": ["sliding_attention", "full_attention"] * (layers // 2),
+                               "num_attention_heads_per_layer": [4, 2] * (layers // 2),
+                               "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw,
+                               "num_hidden_layers": layers})
+    # Mellum: Qwen3-MoE's attention and experts (8 of 32, 2 a token) where mlp_layer_types says sparse
+    # (the second layer), windowed (8) and full layers with a RoPE base each.
+    if kind == "mellum":
+        return MellumConfig(**{"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                               "sliding_window": 8, "head_dim": 16, "mlp_layer_types": ["dense", "sparse"],
+                               "layer_types": ["sliding_attention", "full_attention"],
+                               "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
     # Youtu-LLM: DeepSeek-V3's latent attention (rotary values in pairs) with dense MLPs, tied.
     if kind == "youtu":
         return YoutuConfig(**{"q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
@@ -664,6 +686,9 @@ def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides)
             if kind in ("nemotron", "phi", "gpt_neox") and name.endswith(("layernorm.weight", "norm.weight",
                                                                          "layer_norm.weight")):
                 param.normal_(0.0 if kind == "nemotron" else 1.0, 0.3 if kind == "nemotron" else 0.5)
+            # Laguna's correction bias is a parameter (the others' a buffer, below), zero at first.
+            if name.endswith("e_score_correction_bias"):
+                param.normal_(0.0, 0.3)
             # AFMoE's router starts at zero (every expert tied), its expert_bias too; its four norms a
             # layer at one: drawn apart, so a norm misplaced or skipped shows.
             if kind == "afmoe" and name.endswith(("router.gate.weight", "expert_bias", "norm.weight")):
