@@ -100,7 +100,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Glm4MoeLiteForCausalLM", "ExaoneMoeForCausalLM", "Gemma3nForCausalLM",
                            "InternLM2ForCausalLM", "InternLM3ForCausalLM", "ExaoneForCausalLM",
                            "Gemma4ForCausalLM", "Jais2ForCausalLM", "SolarOpenForCausalLM",
-                           "YoutuForCausalLM", "AfmoeForCausalLM", "LagunaForCausalLM", "MellumForCausalLM")
+                           "YoutuForCausalLM", "AfmoeForCausalLM", "LagunaForCausalLM", "MellumForCausalLM",
+                           "HYV3ForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -216,6 +217,9 @@ LLAMA_LIKE_DEFAULTS = {
     "SolarOpenForCausalLM": {"vocab_size": 196608, "hidden_size": 4096, "num_hidden_layers": 48,
                              "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
                              "max_position_embeddings": 131072, "rms_norm_eps": 1e-5},
+    "HYV3ForCausalLM": {"vocab_size": 120832, "hidden_size": 4096, "intermediate_size": 13312, "num_hidden_layers": 80,
+                        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
+                        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5},
     "Jais2ForCausalLM": {"vocab_size": 150272, "hidden_size": 3328, "intermediate_size": 26624,
                          "num_attention_heads": 26, "max_position_embeddings": 8192, "hidden_act": "relu2",
                          "attention_bias": True, "mlp_bias": True, "eos_token_id": 150024},
@@ -424,7 +428,8 @@ def _rope_from_dict(arch: str, cfg: dict[str, Any]) -> tuple[float, dict[str, An
                      "Olmo3ForCausalLM": 500_000.0, "CohereForCausalLM": 500_000.0, "HeliumForCausalLM": 100_000.0,
                      "Ernie4_5ForCausalLM": 500_000.0, "Ernie4_5_MoeForCausalLM": 500_000.0,
                      "FlexOlmoForCausalLM": 500_000.0, "CwmForCausalLM": 1_000_000.0,
-                     "MiniCPM5MoeForCausalLM": 5_000_000.0, "SolarOpenForCausalLM": 1_000_000.0}.get(arch, 10000.0)
+                     "MiniCPM5MoeForCausalLM": 5_000_000.0, "SolarOpenForCausalLM": 1_000_000.0,
+                     "HYV3ForCausalLM": 11_158_840.0}.get(arch, 10000.0)
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params:
         params = params["full_attention"]
@@ -2016,6 +2021,23 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
                     moe_grouped_topk=True, moe_scoring="sigmoid", moe_correction_bias=True,
                     routed_scaling_factor=float(cfg.get("route_scale") or 1.0),
                     moe_layers=tuple(num_experts > 0 and i >= read("num_dense_layers", 1) for i in range(num_layers)))
+    if arch == "HYV3ForCausalLM":
+        # Hy3's: routed experts where mlp_layer_types says sparse (by default all but the first layer),
+        # chosen by sigmoid scores through the correction bias, no groups, renormalised, times
+        # router_scaling_factor, beside num_shared_experts ungated shared ones.
+        kinds = cfg.get("mlp_layer_types")
+        if not isinstance(kinds, list):
+            kinds = ["dense"] * min(1, num_layers) + ["sparse"] * max(num_layers - 1, 0)
+        if len(kinds) != num_layers or not set(kinds) <= {"dense", "sparse"}:
+            raise ValueError(f"mlp_layer_types must name 'dense' or 'sparse' for each of the {num_layers} "
+                             f"layers, got {kinds}")
+        width = read("moe_intermediate_size", 1536)
+        return dict(num_experts=read("num_experts", 192, "num_local_experts"),
+                    num_experts_per_tok=read("num_experts_per_tok", 8), moe_intermediate_size=width,
+                    norm_topk_prob=True, shared_expert_intermediate_size=width * read("num_shared_experts", 1),
+                    shared_expert_gated=False, moe_grouped_topk=True, moe_scoring="sigmoid", moe_correction_bias=True,
+                    routed_scaling_factor=float(cfg.get("router_scaling_factor") or 2.826),
+                    moe_layers=tuple(kind == "sparse" for kind in kinds))
     if arch in LAGUNA_ARCHITECTURES:
         # Laguna's: routed experts where mlp_layer_types says sparse, chosen by sigmoid scores (of
         # logits soft-capped where moe_router_logit_softcapping is set) through the correction bias,
@@ -2845,7 +2867,7 @@ class ModelConfig:
                              *HUNYUAN_ARCHITECTURES)
             or (arch == "Glm4MoeForCausalLM" and bool(cfg.get("use_qk_norm", False)))
             or arch in (*LFM2_ARCHITECTURES, *EXAONE_ARCHITECTURES, "ApertusForCausalLM", "AfmoeForCausalLM",
-                        *LAGUNA_ARCHITECTURES)
+                        *LAGUNA_ARCHITECTURES, "HYV3ForCausalLM")
             or (arch in ("PhiForCausalLM", "PersimmonForCausalLM") and bool(cfg.get("qk_layernorm"))),
             eos_token_ids=eos,
             sliding_window=int(sliding) if sliding else None,

@@ -744,5 +744,22 @@ class Dots1ForCausalLM(LlamaForCausalLM):
     chosen by sigmoid scores through a correction bias (SparseMoeBlock)."""
 
 
+class HYV3ForCausalLM(LlamaForCausalLM):
+    """Tencent's Hy3 (HYV3ForCausalLM: Hy3-preview): Qwen3's attention (per-head q/k norms) with routed
+    experts where mlp_layer_types says sparse, chosen by sigmoid scores through a correction bias,
+    renormalised and times router_scaling_factor, beside an ungated shared expert; its tensors read
+    under transformers' names or as released (``router.gate``, ``expert_bias``, ``shared_mlp``)."""
+
+    _RENAMED = ((".mlp.router.gate.", ".mlp.gate."), (".mlp.expert_bias", ".mlp.gate.e_score_correction_bias"),
+                (".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"),
+                (".mlp.shared_mlp.", ".mlp.shared_experts."))
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
+        for name, tensor in weights:
+            for theirs, ours in self._RENAMED:
+                name = name.replace(theirs, ours)
+            yield name, tensor
+
+
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     """Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3's attention, routed experts."""

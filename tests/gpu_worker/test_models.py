@@ -86,6 +86,11 @@ CASES = {
     "mellum_mqa_tied_unnormalised": ("mellum", {"num_key_value_heads": 1, "tie_word_embeddings": True,
                                                 "norm_topk_prob": False}),
     "mellum_defaults": ("mellum", {"mlp_layer_types": None, "layer_types": None}),
+    # Hy3: Qwen3's attention, sigmoid routing through the correction bias times router_scaling_factor
+    # beside a shared expert after a dense layer; one KV head, tied, every layer routed, two shared.
+    "hy_v3": ("hy_v3", {}),
+    "hy_v3_mqa_tied_all_routed": ("hy_v3", {"num_key_value_heads": 1, "tie_word_embeddings": True,
+                                            "mlp_layer_types": ["sparse", "sparse"], "num_shared_experts": 2}),
     "youtu": ("youtu", {}),
     "youtu_plain_query_halves_untied": ("youtu", {"q_lora_rank": None, "rope_interleave": False,
                                                   "tie_word_embeddings": False}),
@@ -591,6 +596,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "InternLM3ForCausalLM", "ExaoneForCausalLM", "Gemma4ForCausalLM",
                                    "Jais2ForCausalLM", "SolarOpenForCausalLM", "YoutuForCausalLM",
                                    "AfmoeForCausalLM", "LagunaForCausalLM", "MellumForCausalLM",
+                                   "HYV3ForCausalLM",
                                    "BertModel",
                                    "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
@@ -1724,6 +1730,24 @@ def test_mellum_config_as_released():
         ModelConfig.from_dict({**released, "rope_parameters": {
             "full_attention": {"rope_type": "default", "rope_theta": 500000.0, "partial_rotary_factor": 0.5},
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}})
+
+
+def test_hy_v3_config_as_released():
+    """Hy3-preview's config as transformers' HYV3Config describes it: 80 layers, the first dense, then
+    192 experts of 1536, 8 a token, sigmoid scores through the correction bias, renormalised, times
+    2.826, beside a shared expert; 64 query heads of 128 over 8 KV heads with per-head q/k norms, RoPE
+    base 11,158,840."""
+    released = {"architectures": ["HYV3ForCausalLM"], "router_scaling_factor": 2.826}
+    config = ModelConfig.from_dict(released)
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (192, 8, 1536)
+    assert [config.layer_is_moe(i) for i in (0, 1, 79)] == [False, True, True] and config.num_hidden_layers == 80
+    assert config.shared_expert_intermediate_size == 1536 and not config.shared_expert_gated
+    assert config.moe_scoring == "sigmoid" and config.moe_correction_bias and config.norm_topk_prob
+    assert config.routed_scaling_factor == pytest.approx(2.826) and config.moe_num_groups == 1
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (64, 8, 128)
+    assert config.qk_norm and config.rope_theta == 11_158_840.0 and config.max_context_len == 131072
+    with pytest.raises(ValueError, match="mlp_layer_types"):
+        ModelConfig.from_dict({**released, "num_hidden_layers": 2, "mlp_layer_types": ["dense", "moe"]})
 
 
 def test_dbrx_config_as_released():

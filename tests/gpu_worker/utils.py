@@ -54,6 +54,7 @@ from transformers import (
     HeliumConfig,
     HunYuanDenseV1Config,
     HunYuanMoEV1Config,
+    HYV3Config,
     Jais2Config,
     JambaConfig,
     LagunaConfig,
@@ -574,6 +575,11 @@ def make_config(kind: str = "llama", **overrides):
                                "sliding_window": 8, "head_dim": 16, "mlp_layer_types": ["dense", "sparse"],
                                "layer_types": ["sliding_attention", "full_attention"],
                                "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
+    # Hy3: Qwen3's attention, one dense layer, then 8 experts of 32 (2 a token, sigmoid through the
+    # correction bias, times 2.826) beside a shared one.
+    if kind == "hy_v3":
+        return HYV3Config(**{"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "head_dim": 16,
+                             "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
     # Youtu-LLM: DeepSeek-V3's latent attention (rotary values in pairs) with dense MLPs, tied.
     if kind == "youtu":
         return YoutuConfig(**{"q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
