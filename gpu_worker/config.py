@@ -101,7 +101,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "InternLM2ForCausalLM", "InternLM3ForCausalLM", "ExaoneForCausalLM",
                            "Gemma4ForCausalLM", "Jais2ForCausalLM", "SolarOpenForCausalLM",
                            "YoutuForCausalLM", "AfmoeForCausalLM", "LagunaForCausalLM", "MellumForCausalLM",
-                           "HYV3ForCausalLM")
+                           "HYV3ForCausalLM", "MiMoV2FlashForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -185,12 +185,17 @@ LAGUNA_DEFAULTS = {"vocab_size": 100352, "hidden_size": 2048, "intermediate_size
 MELLUM_DEFAULTS = {"vocab_size": 98304, "hidden_size": 2304, "intermediate_size": 7168, "num_hidden_layers": 28,
                    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
                    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "sliding_window": 1024}
+# transformers' MiMoV2FlashConfig defaults (MiMo-V2-Flash's; a null kept), its RoPE's per layer kind.
+MIMO_V2_FLASH_DEFAULTS = {"vocab_size": 152576, "hidden_size": 4096, "intermediate_size": 16384,
+                          "num_hidden_layers": 48, "num_attention_heads": 64, "num_key_value_heads": 4,
+                          "head_dim": 192, "v_head_dim": 128, "max_position_embeddings": 131072,
+                          "rms_norm_eps": 1e-5, "sliding_window": 129, "attention_value_scale": 0.707}
 # The families whose defaults fill only the keys a config leaves out (a null it states is read as
 # transformers reads it).
 NULL_KEEPING_DEFAULTS = {"MiniCPM3ForCausalLM": MINICPM3_DEFAULTS, "Glm4MoeLiteForCausalLM": GLM4_MOE_LITE_DEFAULTS,
                          "MiniCPM5MoeForCausalLM": MINICPM5_MOE_DEFAULTS, "YoutuForCausalLM": YOUTU_DEFAULTS,
                          "AfmoeForCausalLM": AFMOE_DEFAULTS, "LagunaForCausalLM": LAGUNA_DEFAULTS,
-                         "MellumForCausalLM": MELLUM_DEFAULTS}
+                         "MellumForCausalLM": MELLUM_DEFAULTS, "MiMoV2FlashForCausalLM": MIMO_V2_FLASH_DEFAULTS}
 # Another spelling of an architecture's name in released configs, read as transformers reads it.
 ARCHITECTURE_SPELLINGS = {"MiniCPM5MoEForCausalLM": "MiniCPM5MoeForCausalLM",
                           "ExaoneMoEForCausalLM": "ExaoneMoeForCausalLM"}
@@ -264,7 +269,8 @@ APERTUS_ROPE_DEFAULTS = {"rope_type": "llama3", "rope_theta": 12000000.0, "facto
 GPT_OSS_ROPE_DEFAULTS = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                          "original_max_position_embeddings": 4096}
 # Those whose heads may rotate only their first values (partial_rotary_factor).
-PARTIAL_ROTARY_ARCHITECTURES = ("LagunaForCausalLM", "Phi3ForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM",
+PARTIAL_ROTARY_ARCHITECTURES = ("LagunaForCausalLM", "MiMoV2FlashForCausalLM", "Phi3ForCausalLM", "Glm4MoeForCausalLM",
+                                "MiniMaxM2ForCausalLM",
                                 "Qwen3NextForCausalLM",
                                 "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "BambaForCausalLM", "Glm4ForCausalLM",
                                 "StableLmForCausalLM", "GlmForCausalLM", "NemotronForCausalLM", "PhiForCausalLM",
@@ -1388,6 +1394,57 @@ def _laguna_config(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
             "partial_rotary_factor": float(full.get("partial_rotary_factor", 1.0))}
 
 
+def _mimo_v2_flash_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """MiMo-V2-Flash's keys as transformers' MiMoV2FlashConfig reads them: the layer kinds (the first
+    and every sixth layer full, the others windowed), the MLP kinds (the first dense), the RoPE per
+    layer kind (a third of each head turning, 0.334, unless a kind says otherwise; the full layers'
+    share read as the model's partial_rotary_factor), sliding_window_size + 1 as the window where given,
+    a null routed_scaling_factor as 1."""
+    num_layers = int(cfg["num_hidden_layers"])
+    kinds = cfg.get("layer_types")
+    if not isinstance(kinds, list):
+        kinds = ["full_attention" if i == 0 or (i + 1) % 6 == 0 else "sliding_attention" for i in range(num_layers)]
+    mlp_kinds = cfg.get("mlp_layer_types")
+    if not isinstance(mlp_kinds, list):
+        mlp_kinds = ["dense"] + ["sparse"] * (num_layers - 1)
+    params = cfg.get("rope_parameters")
+    if not isinstance(params, dict) or not params:
+        params = {"full_attention": {"rope_type": "default", "rope_theta": 5_000_000.0},
+                  "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}
+    missing = sorted({kind for kind in kinds if not isinstance(params.get(kind), dict)})
+    if missing:
+        raise ValueError(f"MiMoV2FlashForCausalLM's rope_parameters must give one dict per layer kind, got none "
+                         f"for {missing}")
+    params = {kind: {"partial_rotary_factor": 0.334, **value} for kind, value in params.items()}
+    window = cfg.get("sliding_window")
+    if cfg.get("sliding_window_size") is not None:
+        window = int(cfg["sliding_window_size"]) + 1
+    if "sliding_attention" in kinds and not window:
+        raise ValueError("MiMoV2FlashForCausalLM's sliding_attention layers need a sliding_window")
+    return {**cfg, "layer_types": kinds, "mlp_layer_types": mlp_kinds, "rope_parameters": params,
+            "sliding_window": window, "partial_rotary_factor": float(params["full_attention"]["partial_rotary_factor"]),
+            "routed_scaling_factor": 1.0 if cfg.get("routed_scaling_factor") is None else cfg["routed_scaling_factor"]}
+
+
+def _mimo_v2_flash_fields(arch: str, cfg: dict[str, Any], head_dim: int) -> dict[str, Any]:
+    """MiMo-V2-Flash's values (v_head_dim wide, scaled), its windowed layers' RoPE and their caches of
+    twice the KV heads."""
+    if arch != "MiMoV2FlashForCausalLM":
+        return {}
+    local = cfg["rope_parameters"].get("sliding_attention") or {"partial_rotary_factor": 0.334}
+    rotary = int(head_dim * float(local["partial_rotary_factor"]) + 1e-6)
+    v_dim = int(cfg.get("v_head_dim") or head_dim)
+    if not 0 < rotary <= head_dim or rotary % 2 or not 0 < v_dim <= head_dim:
+        raise ValueError(f"MiMoV2FlashForCausalLM needs an even rotary width for its windowed layers and v_head_dim "
+                         f"({v_dim}) no wider than head_dim ({head_dim}), got {local['partial_rotary_factor']}")
+    kv_heads = int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
+    scale = cfg.get("attention_value_scale")
+    return {"local_rope_theta": _local_rope_theta(arch, cfg, 10000.0), "local_rotary_dim": rotary,
+            "v_head_dim": v_dim, "attention_value_scale": 1.0 if scale is None else float(scale),
+            "attention_layer_geometry": tuple((kv_heads * (2 if kind == "sliding_attention" else 1), head_dim)
+                                              for kind in cfg["layer_types"])}
+
+
 def _laguna_fields(arch: str, cfg: dict[str, Any], head_dim: int) -> dict[str, Any]:
     """Laguna's and Mellum's windowed layers' plain RoPE (its base, and Laguna's share of each head;
     Mellum's rotates whole heads), Laguna's per-layer query heads and its router's soft cap."""
@@ -2021,6 +2078,25 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
                     moe_grouped_topk=True, moe_scoring="sigmoid", moe_correction_bias=True,
                     routed_scaling_factor=float(cfg.get("route_scale") or 1.0),
                     moe_layers=tuple(num_experts > 0 and i >= read("num_dense_layers", 1) for i in range(num_layers)))
+    if arch == "MiMoV2FlashForCausalLM":
+        # MiMo-V2-Flash's: DeepSeek-V3's routing (sigmoid scores through the correction bias, within the
+        # topk_group best of n_group groups, renormalised under norm_topk_prob, times
+        # routed_scaling_factor) where mlp_layer_types says sparse; no shared experts.
+        kinds = cfg["mlp_layer_types"]
+        if len(kinds) != num_layers or not set(kinds) <= {"dense", "sparse"}:
+            raise ValueError(f"mlp_layer_types must name 'dense' or 'sparse' for each of the {num_layers} "
+                             f"layers, got {kinds}")
+        num_experts, groups, kept = read("n_routed_experts", 256, "num_local_experts"), read("n_group", 1), \
+            read("topk_group", 1)
+        if num_experts % groups or not 0 < kept <= groups:
+            raise ValueError(f"n_group ({groups}) must divide n_routed_experts ({num_experts}), and topk_group "
+                             f"({kept}) be between 1 and n_group")
+        return dict(num_experts=num_experts, num_experts_per_tok=read("num_experts_per_tok", 8),
+                    moe_intermediate_size=read("moe_intermediate_size", 2048),
+                    norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), moe_grouped_topk=True,
+                    moe_scoring="sigmoid", moe_correction_bias=True, moe_num_groups=groups, moe_topk_groups=kept,
+                    routed_scaling_factor=float(cfg["routed_scaling_factor"]),
+                    moe_layers=tuple(kind == "sparse" for kind in kinds))
     if arch == "HYV3ForCausalLM":
         # Hy3's: routed experts where mlp_layer_types says sparse (by default all but the first layer),
         # chosen by sigmoid scores through the correction bias, no groups, renormalised, times
@@ -2356,6 +2432,8 @@ class ModelConfig:
     # Laguna: each layer's query heads (empty: num_attention_heads in every layer; the KV heads are
     # num_key_value_heads in every layer), and its router's soft cap on the logits (0: none).
     layer_num_attention_heads: tuple[int, ...] = ()
+    # MiMo-V2-Flash: its values times this before attention (their width is v_head_dim, above).
+    attention_value_scale: float = 1.0
     moe_router_logit_softcapping: float = 0.0
     # Ministral 3 (Llama 4's attention temperature): (beta, length): each query is scaled by
     # 1 + beta * log(1 + floor(position / length)) after RoPE. None: queries are not scaled.
@@ -2654,6 +2732,8 @@ class ModelConfig:
             cfg = _afmoe_config(cfg)
         if arch in LAGUNA_ARCHITECTURES:
             cfg = _laguna_config(arch, cfg)
+        if arch == "MiMoV2FlashForCausalLM":
+            cfg = _mimo_v2_flash_config(cfg)
         if arch == "MiniCPMForCausalLM":
             cfg = _minicpm_config(cfg)
         if arch in ("InternLM2ForCausalLM", "InternLM3ForCausalLM"):
@@ -2794,6 +2874,8 @@ class ModelConfig:
             qkv_bias = o_bias = bool(cfg.get("attention_bias", cfg.get("use_bias", False)))  # (ERNIE: use_bias)
             if arch in ("SeedOssForCausalLM", "InternLM2ForCausalLM", "InternLM3ForCausalLM"):  # (o_proj's own)
                 o_bias = bool(cfg.get("attention_out_bias", False))
+            if arch == "MiMoV2FlashForCausalLM":  # (q, k and v's alone)
+                o_bias = False
             if arch == "StableLmForCausalLM":  # (q, k and v's alone)
                 qkv_bias, o_bias = bool(cfg.get("use_qkv_bias", False)), False
             # Mistral v0.1 (4096) and Phi-3 (2047 in the 4k models) window every layer.
@@ -2803,6 +2885,7 @@ class ModelConfig:
                                                              "PhimoeForCausalLM",
                                                              "Cohere2ForCausalLM", *EXAONE_ARCHITECTURES,
                                                              "AfmoeForCausalLM", *LAGUNA_ARCHITECTURES,
+                                                             "MiMoV2FlashForCausalLM",
                                                              "Starcoder2ForCausalLM") else None)
             if arch == "SmolLM3ForCausalLM" and cfg.get("use_sliding_window"):
                 sliding = cfg.get("sliding_window")
@@ -2905,6 +2988,7 @@ class ModelConfig:
             **_exaone4_fields(arch, cfg),
             **_afmoe_fields(arch, cfg),
             **_laguna_fields(arch, cfg, head_dim),
+            **_mimo_v2_flash_fields(arch, cfg, head_dim),
             **_llama4_fields(arch, cfg),
             **_learned_positions_fields(arch, cfg, num_layers),
             **_alibi_fields(arch, cfg, head_dim, num_layers),

@@ -77,6 +77,7 @@ from gpu_worker.models.llama import (
 )
 from gpu_worker.models.llama4 import Llama4ForCausalLM
 from gpu_worker.models.llava import llava_class
+from gpu_worker.models.mimo_v2_flash import MiMoV2FlashForCausalLM
 from gpu_worker.models.minicpm5_moe import MiniCPM5MoeForCausalLM
 from gpu_worker.models.minimax_m2 import MiniMaxM2ForCausalLM
 from gpu_worker.models.modernbert import ModernBertModel
@@ -205,6 +206,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LagunaForCausalLM": LagunaForCausalLM,
     "MellumForCausalLM": MellumForCausalLM,
     "HYV3ForCausalLM": HYV3ForCausalLM,
+    "MiMoV2FlashForCausalLM": MiMoV2FlashForCausalLM,
     "BertModel": BertModel,
     "RobertaModel": RobertaModel,
     "ModernBertModel": ModernBertModel,

@@ -91,6 +91,19 @@ CASES = {
     "hy_v3": ("hy_v3", {}),
     "hy_v3_mqa_tied_all_routed": ("hy_v3", {"num_key_value_heads": 1, "tie_word_embeddings": True,
                                             "mlp_layer_types": ["sparse", "sparse"], "num_shared_experts": 2}),
+    # MiMo-V2-Flash: q/k heads of 24 (a third turning, a RoPE base per layer kind), values of 16 scaled,
+    # windowed layers of twice the KV heads with sinks, grouped sigmoid routing without shared experts;
+    # one KV head in the full layers, tied, unscaled values, no biases; YaRN on the full layers; its
+    # default layer kinds over six layers.
+    "mimo_v2_flash": ("mimo_v2_flash", {}),
+    "mimo_v2_flash_mqa_tied_plain": ("mimo_v2_flash", {"num_key_value_heads": 1, "tie_word_embeddings": True,
+                                                       "attention_value_scale": None, "attention_bias": False}),
+    "mimo_v2_flash_yarn": ("mimo_v2_flash", {"rope_parameters": {
+        "full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 5000000.0,
+                           "original_max_position_embeddings": 16, "partial_rotary_factor": 0.5},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}),
+    "mimo_v2_flash_default_kinds": ("mimo_v2_flash", {"num_hidden_layers": 6, "layer_types": None,
+                                                      "mlp_layer_types": None}),
     "youtu": ("youtu", {}),
     "youtu_plain_query_halves_untied": ("youtu", {"q_lora_rank": None, "rope_interleave": False,
                                                   "tie_word_embeddings": False}),
@@ -596,7 +609,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "InternLM3ForCausalLM", "ExaoneForCausalLM", "Gemma4ForCausalLM",
                                    "Jais2ForCausalLM", "SolarOpenForCausalLM", "YoutuForCausalLM",
                                    "AfmoeForCausalLM", "LagunaForCausalLM", "MellumForCausalLM",
-                                   "HYV3ForCausalLM",
+                                   "HYV3ForCausalLM", "MiMoV2FlashForCausalLM",
                                    "BertModel",
                                    "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
@@ -1748,6 +1761,32 @@ def test_hy_v3_config_as_released():
     assert config.qk_norm and config.rope_theta == 11_158_840.0 and config.max_context_len == 131072
     with pytest.raises(ValueError, match="mlp_layer_types"):
         ModelConfig.from_dict({**released, "num_hidden_layers": 2, "mlp_layer_types": ["dense", "moe"]})
+
+
+def test_mimo_v2_flash_config_as_released():
+    """MiMo-V2-Flash's config as transformers' MiMoV2FlashConfig describes it: 48 layers, the first and
+    every sixth full (4 KV heads), the others windowed (sliding_window_size 128: a window of 129; 8 KV
+    heads) with sinks; heads of 192 for queries and keys (64 values turning; base 5,000,000 full, 10,000
+    windowed), values of 128 times 0.707; the first layer dense, then 256 experts of 2048, 8 a token by
+    DeepSeek-V3's routing without shared experts; each layer's cache its own heads."""
+    released = {"architectures": ["MiMoV2FlashForCausalLM"], "sliding_window_size": 128, "n_group": 1,
+                "topk_group": 1, "routed_scaling_factor": None, "num_nextn_predict_layers": 1}
+    config = ModelConfig.from_dict(released)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.v_head_dim) == \
+        (64, 4, 192, 128)
+    assert config.attention_value_scale == pytest.approx(0.707) and config.attention_scale == pytest.approx(192 ** -0.5)
+    assert config.rotary_dim == 64 and config.local_rotary_dim == 64
+    assert config.rope_theta == 5_000_000.0 and config.local_rope_theta == 10_000.0
+    assert config.sliding_window == 129 and config.sliding_window_layers[:7] == (False, True, True, True, True,
+                                                                                 False, True)
+    assert config.attention_layer_geometry[:6] == ((4, 192),) + ((8, 192),) * 4 + ((4, 192),)
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (256, 8, 2048)
+    assert [config.layer_is_moe(i) for i in (0, 1, 47)] == [False, True, True] and config.num_mtp_layers == 0
+    assert config.shared_expert_intermediate_size == 0 and config.routed_scaling_factor == 1.0
+    assert config.moe_scoring == "sigmoid" and config.moe_correction_bias and config.norm_topk_prob
+    assert not config.o_proj_bias and config.num_attention_layers == 48
+    with pytest.raises(ValueError, match="need a sliding_window"):
+        ModelConfig.from_dict({**released, "sliding_window_size": None, "sliding_window": None})
 
 
 def test_dbrx_config_as_released():

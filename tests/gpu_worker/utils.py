@@ -64,6 +64,7 @@ from transformers import (
     Mamba2Config,
     MambaConfig,
     MellumConfig,
+    MiMoV2FlashConfig,
     MiniCPM3Config,
     MiniCPM5MoeConfig,
     MiniMaxM2Config,
@@ -580,6 +581,18 @@ def make_config(kind: str = "llama", **overrides):
     if kind == "hy_v3":
         return HYV3Config(**{"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "head_dim": 16,
                              "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
+    # MiMo-V2-Flash: 4 layers, the first and fourth full, the others windowed (8) with twice the KV heads
+    # and sinks; q/k heads of 24 (8 turning), values of 16 scaled by 0.707; the first layer dense, then 8
+    # experts of 32 in 2 groups (1 kept), 2 a token, times 2.5.
+    if kind == "mimo_v2_flash":
+        layers = max(4, kw["num_hidden_layers"])
+        return MiMoV2FlashConfig(**{"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                    "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5, "head_dim": 24,
+                                    "v_head_dim": 16, "sliding_window": 8, "attention_bias": True,
+                                    "layer_types": ["full_attention", "sliding_attention", "sliding_attention",
+                                                    "full_attention"][:layers] + ["sliding_attention"] * (layers - 4),
+                                    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw,
+                                    "num_hidden_layers": layers})
     # Youtu-LLM: DeepSeek-V3's latent attention (rotary values in pairs) with dense MLPs, tied.
     if kind == "youtu":
         return YoutuConfig(**{"q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
@@ -667,6 +680,9 @@ def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides)
             # GPT-OSS's attention sinks: logits of the order of the scores', so each takes a visible share.
             if name.endswith("self_attn.sinks"):
                 param.normal_(0.0, 1.0)
+            # MiMo-V2-Flash's router starts at zero.
+            if kind == "mimo_v2_flash" and name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, 0.5)
             # Gemma's norms store w for a scale of 1 + w, and start at 0: random ones show a norm
             # skipped or scaled by w alone.
             if kind.startswith("gemma") and name.endswith("norm.weight"):
