@@ -101,7 +101,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "InternLM2ForCausalLM", "InternLM3ForCausalLM", "ExaoneForCausalLM",
                            "Gemma4ForCausalLM", "Jais2ForCausalLM", "SolarOpenForCausalLM",
                            "YoutuForCausalLM", "AfmoeForCausalLM", "LagunaForCausalLM", "MellumForCausalLM",
-                           "HYV3ForCausalLM", "MiMoV2FlashForCausalLM")
+                           "HYV3ForCausalLM", "MiMoV2FlashForCausalLM", "GraniteSWAForCausalLM",
+                           "GraniteMoeSWAForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -119,7 +120,11 @@ LFM2_ARCHITECTURES = ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM")
 QWEN3_NEXT_FAMILY = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 # IBM Granite's routed-expert models: Granite 3.x MoE, with a shared expert, and Granite 4.0 (its
 # hybrid: Mamba-2 layers beside attention ones, or attention alone, routed experts or a dense MLP).
-GRANITE_MOE_ARCHITECTURES = ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM")
+GRANITE_MOE_ARCHITECTURES = ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM",
+                             "GraniteMoeSWAForCausalLM")
+# IBM's Granite with windowed layers, a sink per query head and a RoPE base per layer (GraniteSWA), and
+# its MoE (GraniteMoeSWA: Granite MoE Shared's experts).
+GRANITE_SWA_ARCHITECTURES = ("GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM")
 # Multi-head latent attention (MLA): DeepSeek-V2 / V3 (and Kimi K2, DeepSeek-R1: V3's architecture).
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # MLA's models: DeepSeek's, MiniCPM3 (MLA with RoPE in halves, dense MLPs, muP-style scalings) and
@@ -190,12 +195,23 @@ MIMO_V2_FLASH_DEFAULTS = {"vocab_size": 152576, "hidden_size": 4096, "intermedia
                           "num_hidden_layers": 48, "num_attention_heads": 64, "num_key_value_heads": 4,
                           "head_dim": 192, "v_head_dim": 128, "max_position_embeddings": 131072,
                           "rms_norm_eps": 1e-5, "sliding_window": 129, "attention_value_scale": 0.707}
+# transformers' GraniteSWAConfig and GraniteMoeSWAConfig defaults (a null kept: a null sliding_window
+# is no window, a null num_key_value_heads as many as the heads).
+GRANITE_SWA_DEFAULTS = {
+    "GraniteSWAForCausalLM": {"vocab_size": 100352, "hidden_size": 2560, "intermediate_size": 8192,
+                              "num_hidden_layers": 24, "num_attention_heads": 20, "num_key_value_heads": 4,
+                              "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+                              "sliding_window": 128, "eos_token_id": 100257},
+    "GraniteMoeSWAForCausalLM": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+                                 "num_hidden_layers": 32, "num_attention_heads": 32, "max_position_embeddings": 2048,
+                                 "rms_norm_eps": 1e-6, "sliding_window": 128, "eos_token_id": 2}}
 # The families whose defaults fill only the keys a config leaves out (a null it states is read as
 # transformers reads it).
 NULL_KEEPING_DEFAULTS = {"MiniCPM3ForCausalLM": MINICPM3_DEFAULTS, "Glm4MoeLiteForCausalLM": GLM4_MOE_LITE_DEFAULTS,
                          "MiniCPM5MoeForCausalLM": MINICPM5_MOE_DEFAULTS, "YoutuForCausalLM": YOUTU_DEFAULTS,
                          "AfmoeForCausalLM": AFMOE_DEFAULTS, "LagunaForCausalLM": LAGUNA_DEFAULTS,
-                         "MellumForCausalLM": MELLUM_DEFAULTS, "MiMoV2FlashForCausalLM": MIMO_V2_FLASH_DEFAULTS}
+                         "MellumForCausalLM": MELLUM_DEFAULTS, "MiMoV2FlashForCausalLM": MIMO_V2_FLASH_DEFAULTS,
+                         **GRANITE_SWA_DEFAULTS}
 # Another spelling of an architecture's name in released configs, read as transformers reads it.
 ARCHITECTURE_SPELLINGS = {"MiniCPM5MoEForCausalLM": "MiniCPM5MoeForCausalLM",
                           "ExaoneMoEForCausalLM": "ExaoneMoeForCausalLM"}
@@ -1006,7 +1022,7 @@ def _olmo3_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
 
 def _granite_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """Granite's four scalars (transformers' defaults: 1.0 each), Granite MoE's too."""
-    if arch not in ("GraniteForCausalLM", *GRANITE_MOE_ARCHITECTURES):
+    if arch not in ("GraniteForCausalLM", "GraniteSWAForCausalLM", *GRANITE_MOE_ARCHITECTURES):
         return {}
     return {"embedding_multiplier": float(cfg.get("embedding_multiplier", 1.0)),
             "residual_multiplier": float(cfg.get("residual_multiplier", 1.0)),
@@ -1392,6 +1408,45 @@ def _laguna_config(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     full = params.get("full_attention") or {}
     return {**cfg, "layer_types": kinds, "mlp_layer_types": mlp_kinds, "rope_parameters": params,
             "partial_rotary_factor": float(full.get("partial_rotary_factor", 1.0))}
+
+
+def _granite_swa_config(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """GraniteSWA's layer kinds and RoPE as transformers' GraniteSWAConfig reads them: every fourth layer
+    from the first full, the others windowed, where layer_types is absent; layer_rope_theta a base per
+    layer (0: no positions), the global base in every layer where absent. Served where each layer kind
+    has one base: the full layers' is the model's, the windowed layers' their own plain RoPE (under a
+    window; a scaled RoPE there is refused)."""
+    num_layers = int(cfg["num_hidden_layers"])
+    kinds = cfg["layer_types"] if isinstance(cfg.get("layer_types"), list) else [
+        "full_attention" if i % 4 == 0 else "sliding_attention" for i in range(num_layers)]
+    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    base = float(params.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
+    thetas = [float(t) for t in cfg.get("layer_rope_theta") or [base] * num_layers]
+    if len(thetas) != num_layers or len(kinds) != num_layers:
+        raise ValueError(f"layer_rope_theta and layer_types must give one entry for each of the {num_layers} layers")
+    by_kind = {kind: {t for t, k in zip(thetas, kinds, strict=True) if k == kind} for kind in set(kinds)}
+    if any(len(bases) > 1 for bases in by_kind.values()):
+        raise ValueError(f"{arch} is served with one RoPE base per layer kind (layer_rope_theta), got {by_kind}")
+    full = next(iter(by_kind.get("full_attention", {0.0})))
+    local = next(iter(by_kind.get("sliding_attention", {0.0})))
+    theta = full or local or base
+    two_bases = bool(full and local and full != local)
+    scaled = (params.get("rope_type") or (cfg.get("rope_scaling") or {}).get("rope_type") or "default") != "default"
+    if two_bases and (not cfg.get("sliding_window") or scaled):
+        raise ValueError(f"{arch}'s windowed layers' own RoPE base needs a sliding_window and plain RoPE")
+    rope = {**params, "rope_theta": theta} if params else None
+    return {**cfg, "layer_types": kinds, "layer_rope_theta": thetas, "rope_theta": theta,
+            **({"rope_parameters": rope} if rope else {}),
+            "local_rope_theta": local if two_bases else None}
+
+
+def _granite_swa_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """GraniteSWA's layers without positions (a base of 0), its windowed layers' own base (its sinks:
+    ModelConfig.attention_sinks)."""
+    if arch not in GRANITE_SWA_ARCHITECTURES:
+        return {}
+    return {"rope_layers": tuple(bool(t) for t in cfg["layer_rope_theta"]),
+            **({"local_rope_theta": cfg["local_rope_theta"]} if cfg.get("local_rope_theta") else {})}
 
 
 def _mimo_v2_flash_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -2734,6 +2789,8 @@ class ModelConfig:
             cfg = _laguna_config(arch, cfg)
         if arch == "MiMoV2FlashForCausalLM":
             cfg = _mimo_v2_flash_config(cfg)
+        if arch in GRANITE_SWA_ARCHITECTURES:
+            cfg = _granite_swa_config(arch, cfg)
         if arch == "MiniCPMForCausalLM":
             cfg = _minicpm_config(cfg)
         if arch in ("InternLM2ForCausalLM", "InternLM3ForCausalLM"):
@@ -2885,7 +2942,7 @@ class ModelConfig:
                                                              "PhimoeForCausalLM",
                                                              "Cohere2ForCausalLM", *EXAONE_ARCHITECTURES,
                                                              "AfmoeForCausalLM", *LAGUNA_ARCHITECTURES,
-                                                             "MiMoV2FlashForCausalLM",
+                                                             "MiMoV2FlashForCausalLM", *GRANITE_SWA_ARCHITECTURES,
                                                              "Starcoder2ForCausalLM") else None)
             if arch == "SmolLM3ForCausalLM" and cfg.get("use_sliding_window"):
                 sliding = cfg.get("sliding_window")
@@ -2972,7 +3029,7 @@ class ModelConfig:
             **moe,
             **_gemma_from_dict(arch, cfg),
             llama_4_scaling=_llama_4_scaling(arch, cfg),
-            attention_sinks=arch == "GptOssForCausalLM",
+            attention_sinks=arch in ("GptOssForCausalLM", *GRANITE_SWA_ARCHITECTURES),
             **_smollm3_fields(arch, cfg, num_layers),
             **_olmo3_fields(arch, cfg),
             **_granite_fields(arch, cfg),
@@ -2989,6 +3046,7 @@ class ModelConfig:
             **_afmoe_fields(arch, cfg),
             **_laguna_fields(arch, cfg, head_dim),
             **_mimo_v2_flash_fields(arch, cfg, head_dim),
+            **_granite_swa_fields(arch, cfg),
             **_llama4_fields(arch, cfg),
             **_learned_positions_fields(arch, cfg, num_layers),
             **_alibi_fields(arch, cfg, head_dim, num_layers),

@@ -612,6 +612,21 @@ class MiniCPMForCausalLM(LlamaForCausalLM):
     the embeddings, residual adds and logits (ModelConfig's Granite multipliers)."""
 
 
+def sinks_under_attention(weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
+    """A checkpoint's attention sinks (``self_attn.sinks``) read as PagedAttention's (``self_attn.attn.sinks``)."""
+    for name, tensor in weights:
+        yield name.replace(".self_attn.sinks", ".self_attn.attn.sinks"), tensor
+
+
+class GraniteSWAForCausalLM(GraniteForCausalLM):
+    """IBM's GraniteSWA (granite-swash): Granite with windowed layers (layer_types), a learnt sink per
+    query head in every layer (one more logit in each head's softmax) and a RoPE base per layer kind
+    (layer_rope_theta; 0: no positions)."""
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
+        return sinks_under_attention(weights)
+
+
 class GraniteMoeForCausalLM(GraniteForCausalLM):
     """IBM Granite 3.x MoE (granite-3.1-1b-a400m, -3b-a800m): Granite with routed experts in every
     layer, each layer's experts stored whole (``block_sparse_moe.input_linear``: every expert's gate
@@ -649,6 +664,14 @@ class GraniteMoeSharedForCausalLM(GraniteMoeForCausalLM):
                 yield name.replace(".shared_mlp.output_linear.", f"{shared}down_proj."), tensor
             else:
                 yield name, tensor
+
+
+class GraniteMoeSWAForCausalLM(GraniteMoeSharedForCausalLM):
+    """GraniteMoeSWA: Granite MoE Shared with GraniteSWA's attention (windowed layers, sinks, a RoPE
+    base per layer kind)."""
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
+        return sinks_under_attention(super().checkpoint_tensors(weights))
 
 
 class GraniteMoeHybridForCausalLM(GraniteMoeSharedForCausalLM):

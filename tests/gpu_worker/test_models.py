@@ -104,6 +104,15 @@ CASES = {
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}),
     "mimo_v2_flash_default_kinds": ("mimo_v2_flash", {"num_hidden_layers": 6, "layer_types": None,
                                                       "mlp_layer_types": None}),
+    # GraniteSWA and GraniteMoeSWA: a sink per query head, windowed layers rotating (base 10,000) and a
+    # full one without positions; a base of its own for the full layer, one KV head, tied; the defaults
+    # (every fourth layer full, one base everywhere) over five layers.
+    "granite_swa": ("granite_swa", {}),
+    "granite_swa_two_bases_mqa_tied": ("granite_swa", {"layer_rope_theta": [500000.0] + [10000.0] * 3,
+                                                       "num_key_value_heads": 1, "tie_word_embeddings": True}),
+    "granite_swa_defaults": ("granite_swa", {"layer_rope_theta": None, "layer_types": None, "num_hidden_layers": 5}),
+    "granitemoe_swa": ("granitemoe_swa", {}),
+    "granitemoe_swa_two_bases": ("granitemoe_swa", {"layer_rope_theta": [500000.0] + [10000.0] * 3}),
     "youtu": ("youtu", {}),
     "youtu_plain_query_halves_untied": ("youtu", {"q_lora_rank": None, "rope_interleave": False,
                                                   "tie_word_embeddings": False}),
@@ -609,7 +618,8 @@ def test_registry_maps_architectures(tmp_path):
                                    "InternLM3ForCausalLM", "ExaoneForCausalLM", "Gemma4ForCausalLM",
                                    "Jais2ForCausalLM", "SolarOpenForCausalLM", "YoutuForCausalLM",
                                    "AfmoeForCausalLM", "LagunaForCausalLM", "MellumForCausalLM",
-                                   "HYV3ForCausalLM", "MiMoV2FlashForCausalLM",
+                                   "HYV3ForCausalLM", "MiMoV2FlashForCausalLM", "GraniteSWAForCausalLM",
+                                   "GraniteMoeSWAForCausalLM",
                                    "BertModel",
                                    "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
@@ -1787,6 +1797,31 @@ def test_mimo_v2_flash_config_as_released():
     assert not config.o_proj_bias and config.num_attention_layers == 48
     with pytest.raises(ValueError, match="need a sliding_window"):
         ModelConfig.from_dict({**released, "sliding_window_size": None, "sliding_window": None})
+
+
+def test_granite_swa_configs_as_released():
+    """GraniteSWA's and GraniteMoeSWA's configs as transformers reads them: every fourth layer from the
+    first full, the others windowed (128); a sink per query head; layer_rope_theta one base per layer
+    (0: no positions), served where each layer kind has one: the full layers' the model's, the windowed
+    layers' their own plain RoPE; Granite's scalars; GraniteMoeSWA's experts as Granite MoE Shared's."""
+    released = {"architectures": ["GraniteSWAForCausalLM"], "num_hidden_layers": 8, "attention_multiplier": 0.015625,
+                "layer_rope_theta": [0, 10000, 10000, 10000, 0, 10000, 10000, 10000]}
+    config = ModelConfig.from_dict(released)
+    assert config.attention_sinks and config.sliding_window == 128 and config.attention_scale == 0.015625
+    assert config.sliding_window_layers == (False, True, True, True) * 2
+    assert config.rope_layers == config.sliding_window_layers and config.rope_theta == 10000.0
+    assert config.local_rope_theta is None and config.tie_word_embeddings and config.eos_token_ids == (100257,)
+    assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads) == (2560, 20, 4)
+    two = ModelConfig.from_dict({**released, "layer_rope_theta": [500000, 10000, 10000, 10000] * 2})
+    assert two.rope_theta == 500000.0 and two.local_rope_theta == 10000.0 and all(two.rope_layers)
+    uniform = ModelConfig.from_dict({**released, "layer_rope_theta": None, "rope_theta": 50000.0})
+    assert uniform.rope_theta == 50000.0 and all(uniform.rope_layers) and uniform.local_rope_theta is None
+    with pytest.raises(ValueError, match="one RoPE base per layer kind"):
+        ModelConfig.from_dict({**released, "layer_rope_theta": [0, 10000, 20000, 10000, 0, 10000, 10000, 10000]})
+    moe = ModelConfig.from_dict({**released, "architectures": ["GraniteMoeSWAForCausalLM"], "num_local_experts": 32,
+                                 "num_experts_per_tok": 8, "intermediate_size": 512, "shared_intermediate_size": 1024})
+    assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size) == (32, 8, 512)
+    assert moe.shared_expert_intermediate_size == 1024 and moe.attention_sinks and moe.rope_layers[:2] == (False, True)
 
 
 def test_dbrx_config_as_released():

@@ -51,6 +51,8 @@ from transformers import (
     GraniteMoeConfig,
     GraniteMoeHybridConfig,
     GraniteMoeSharedConfig,
+    GraniteMoeSWAConfig,
+    GraniteSWAConfig,
     HeliumConfig,
     HunYuanDenseV1Config,
     HunYuanMoEV1Config,
@@ -593,6 +595,18 @@ def make_config(kind: str = "llama", **overrides):
                                                     "full_attention"][:layers] + ["sliding_attention"] * (layers - 4),
                                     "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw,
                                     "num_hidden_layers": layers})
+    # GraniteSWA: Granite's scalars, 4 layers, the first full without positions (base 0), the others
+    # windowed (8) rotating with base 10,000; a sink per query head in every layer. GraniteMoeSWA: the
+    # same attention with Granite MoE Shared's experts (8 of 32, 2 a token) beside a shared one.
+    if kind in ("granite_swa", "granitemoe_swa"):
+        layers = max(4, kw["num_hidden_layers"])
+        swa = {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0625,
+               "logits_scaling": 1.0, "sliding_window": 8, "layer_rope_theta": [0.0] + [10000.0] * (layers - 1),
+               "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw, "num_hidden_layers": layers}
+        if kind == "granite_swa":
+            return GraniteSWAConfig(**swa)
+        return GraniteMoeSWAConfig(**{"num_local_experts": 8, "num_experts_per_tok": 2, "shared_intermediate_size": 48,
+                                      **swa, "intermediate_size": 32})
     # Youtu-LLM: DeepSeek-V3's latent attention (rotary values in pairs) with dense MLPs, tied.
     if kind == "youtu":
         return YoutuConfig(**{"q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
