@@ -102,7 +102,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Gemma4ForCausalLM", "Jais2ForCausalLM", "SolarOpenForCausalLM",
                            "YoutuForCausalLM", "AfmoeForCausalLM", "LagunaForCausalLM", "MellumForCausalLM",
                            "HYV3ForCausalLM", "MiMoV2FlashForCausalLM", "GraniteSWAForCausalLM",
-                           "GraniteMoeSWAForCausalLM")
+                           "GraniteMoeSWAForCausalLM", "Cohere2MoeForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -1569,8 +1569,42 @@ def _cohere_config(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
+def _cohere2_moe_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A Cohere2-MoE config as transformers' Cohere2MoeConfig reads it: its defaults for the keys a config
+    leaves out (a null sliding_window kept: no window); where layer_types is absent, the first
+    first_k_dense_replace layers windowed but every prefix_dense_sliding_window_pattern-th, the others
+    but every sliding_window_pattern-th; mlp_layer_types dense for those first layers; the dense MLPs
+    prefix_dense_intermediate_size wide (intermediate_size where unset), the experts intermediate_size;
+    RMSNorms where rms_norm_eps is set (``cohere_norm``), else LayerNorms of layer_norm_eps."""
+    window = cfg.get("sliding_window", 4096)
+    cfg = {"vocab_size": 256000, "hidden_size": 8192, "intermediate_size": 22528, "num_hidden_layers": 40,
+           "num_attention_heads": 64, "head_dim": 128, "max_position_embeddings": 8192, "tie_word_embeddings": True,
+           "logit_scale": 0.0625, "layer_norm_eps": 1e-5, "num_experts": 8, "num_experts_per_tok": 2,
+           **{k: v for k, v in cfg.items() if v is not None}, "sliding_window": window}
+    num_layers, first = int(cfg["num_hidden_layers"]), int(cfg.get("first_k_dense_replace") or 0)
+    if not isinstance(cfg.get("layer_types"), list):
+        prefix = int(cfg.get("prefix_dense_sliding_window_pattern") or 1)
+        pattern = int(cfg.get("sliding_window_pattern") or 4)
+        cfg["layer_types"] = ([("sliding_attention" if (i + 1) % prefix else "full_attention") for i in range(first)]
+                              + [("sliding_attention" if (i + 1) % pattern else "full_attention")
+                                 for i in range(num_layers - first)])
+    if not isinstance(cfg.get("mlp_layer_types"), list):
+        cfg["mlp_layer_types"] = ["dense" if i < first else "sparse" for i in range(num_layers)]
+    rms = cfg.get("rms_norm_eps") is not None
+    return {**cfg, "moe_intermediate_size": int(cfg["intermediate_size"]),
+            "intermediate_size": int(cfg.get("prefix_dense_intermediate_size") or cfg["intermediate_size"]),
+            "cohere_norm": "rms" if rms else "layer",
+            "rms_norm_eps": float(cfg["rms_norm_eps" if rms else "layer_norm_eps"])}
+
+
 def _cohere_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """Cohere's logit scale (as the logits' divisor), and Cohere2's RoPE only in its windowed layers."""
+    if arch == "Cohere2MoeForCausalLM":  # (its windowed layers rotate, and under a prefix pattern of 1 its dense ones)
+        forced = int(cfg.get("prefix_dense_sliding_window_pattern") or 1) == 1
+        windowed = bool(cfg.get("sliding_window"))
+        return {"logits_scaling": 1.0 / float(cfg["logit_scale"]),
+                "rope_layers": tuple((kind == "sliding_attention" and windowed) or (mlp == "dense" and forced)
+                                     for kind, mlp in zip(cfg["layer_types"], cfg["mlp_layer_types"], strict=True))}
     if arch not in COHERE_ARCHITECTURES:
         return {}
     fields: dict[str, Any] = {"logits_scaling": 1.0 / float(cfg["logit_scale"])}
@@ -2133,6 +2167,27 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
                     moe_grouped_topk=True, moe_scoring="sigmoid", moe_correction_bias=True,
                     routed_scaling_factor=float(cfg.get("route_scale") or 1.0),
                     moe_layers=tuple(num_experts > 0 and i >= read("num_dense_layers", 1) for i in range(num_layers)))
+    if arch == "Cohere2MoeForCausalLM":
+        # Cohere2-MoE's: routed experts where mlp_layer_types says sparse, the top k by logit weighted by
+        # the softmax over them (expert_selection_fn "softmax") or by their sigmoids, renormalised under
+        # norm_topk_prob ("sigmoid"); beside num_shared_experts shared experts as wide as the routed ones.
+        kinds, selection = cfg["mlp_layer_types"], cfg.get("expert_selection_fn", "softmax")
+        if len(kinds) != num_layers or not set(kinds) <= {"dense", "sparse"}:
+            raise ValueError(f"mlp_layer_types must name 'dense' or 'sparse' for each of the {num_layers} "
+                             f"layers, got {kinds}")
+        if selection not in ("softmax", "sigmoid") \
+                or cfg.get("shared_expert_combination_strategy", "average") not in ("sum", "average"):
+            raise ValueError("Cohere2MoeForCausalLM's expert_selection_fn must be 'softmax' or 'sigmoid' and its "
+                             "shared_expert_combination_strategy 'sum' or 'average', got "
+                             f"{selection!r}, {cfg.get('shared_expert_combination_strategy')!r}")
+        width = int(cfg["moe_intermediate_size"])
+        sigmoid = selection == "sigmoid"
+        return dict(num_experts=read("num_experts", 8), num_experts_per_tok=read("num_experts_per_tok", 2),
+                    moe_intermediate_size=width,
+                    norm_topk_prob=bool(cfg.get("norm_topk_prob", True)) if sigmoid else True,
+                    shared_expert_intermediate_size=width * read("num_shared_experts", 0), shared_expert_gated=False,
+                    moe_grouped_topk=sigmoid, moe_scoring="sigmoid" if sigmoid else "softmax",
+                    moe_layers=tuple(kind == "sparse" for kind in kinds))
     if arch == "MiMoV2FlashForCausalLM":
         # MiMo-V2-Flash's: DeepSeek-V3's routing (sigmoid scores through the correction bias, within the
         # topk_group best of n_group groups, renormalised under norm_topk_prob, times
@@ -2747,6 +2802,8 @@ class ModelConfig:
             cfg = _zamba2_config(cfg)
         if arch in COHERE_ARCHITECTURES:
             cfg = _cohere_config(arch, cfg)
+        if arch == "Cohere2MoeForCausalLM":
+            cfg = _cohere2_moe_config(cfg)
         if arch == "JambaForCausalLM":  # (transformers' JambaConfig defaults)
             cfg = {"max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "num_key_value_heads": 8,
                    **{k: v for k, v in cfg.items() if v is not None}}
@@ -2943,6 +3000,7 @@ class ModelConfig:
                                                              "Cohere2ForCausalLM", *EXAONE_ARCHITECTURES,
                                                              "AfmoeForCausalLM", *LAGUNA_ARCHITECTURES,
                                                              "MiMoV2FlashForCausalLM", *GRANITE_SWA_ARCHITECTURES,
+                                                             "Cohere2MoeForCausalLM",
                                                              "Starcoder2ForCausalLM") else None)
             if arch == "SmolLM3ForCausalLM" and cfg.get("use_sliding_window"):
                 sliding = cfg.get("sliding_window")
@@ -3041,7 +3099,7 @@ class ModelConfig:
             **_falcon_h1_fields(arch, cfg, num_layers),
             **_jamba_fields(arch, cfg, num_layers),
             **_zamba2_fields(arch, cfg),
-            **_cohere_fields(arch, cfg),
+            **_cohere_fields(arch, cfg),  # (Cohere2-MoE's too)
             **_exaone4_fields(arch, cfg),
             **_afmoe_fields(arch, cfg),
             **_laguna_fields(arch, cfg, head_dim),

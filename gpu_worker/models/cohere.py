@@ -1,5 +1,5 @@
 """Cohere's Command models: Command-R / R+ and Aya 23 / Aya Expanse (CohereForCausalLM), Command-R7B
-and Command-A (Cohere2ForCausalLM).
+and Command-A (Cohere2ForCausalLM), and Cohere2-MoE (Cohere2MoeForCausalLM).
 
 Both run each layer's attention and SwiGLU MLP side by side on the same normed input and add both
 outputs to the residual (no norm between them); their norms are LayerNorms without a bias (the mean
@@ -27,7 +27,7 @@ from gpu_worker.config import ModelConfig
 from gpu_worker.layers.layernorm import LayerNorm, RMSNorm
 from gpu_worker.layers.rotary import pairs_to_halves_order
 from gpu_worker.layers.weight_utils import WeightLike, copy_into, materialize
-from gpu_worker.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaModel
+from gpu_worker.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaModel, SparseMoeBlock
 from gpu_worker.models.paired_rope import PairedRopeForCausalLM
 
 
@@ -110,3 +110,46 @@ class CohereForCausalLM(PairedRopeForCausalLM):
 class Cohere2ForCausalLM(CohereForCausalLM):
     """Command-R7B / Command-A: Cohere's layers, three of four windowed and rotating, the fourth
     attending to everything without positions."""
+
+
+class CohereMoeBlock(SparseMoeBlock):
+    """Cohere2-MoE's routed experts (the softmax over the top k logits, or their sigmoids, renormalised
+    under norm_topk_prob: ModelConfig) beside its shared experts, the two outputs averaged where
+    shared_expert_combination_strategy is "average" (summed where "sum")."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        self.halved = (config.shared_expert_intermediate_size > 0
+                       and config.raw.get("shared_expert_combination_strategy", "average") == "average")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return out.mul_(0.5) if self.halved else out
+
+
+class Cohere2MoeDecoderLayer(CohereDecoderLayer):
+    moe_class = CohereMoeBlock
+
+
+class Cohere2MoeRMSNormDecoderLayer(Cohere2MoeDecoderLayer):
+    norm_class = RMSNorm
+
+
+class Cohere2MoeModel(LlamaModel):
+    layer_class = Cohere2MoeDecoderLayer
+
+
+class Cohere2MoeRMSNormModel(LlamaModel):
+    layer_class = Cohere2MoeRMSNormDecoderLayer
+
+
+class Cohere2MoeForCausalLM(Cohere2ForCausalLM):
+    """Cohere2-MoE: Command-R7B's layers (attention beside the MLP on one norm, RoPE in pairs in the
+    windowed layers and, where prefix_dense_sliding_window_pattern is 1, in the dense prefix layers)
+    with routed experts after first_k_dense_replace dense ones (prefix_dense_intermediate_size wide),
+    beside num_shared_experts shared ones; its norms RMSNorms where rms_norm_eps is set, else Cohere's
+    bias-free LayerNorms."""
+
+    @property
+    def model_class(self) -> type[nn.Module]:  # type: ignore[override]  # (read as the model is built)
+        return Cohere2MoeRMSNormModel if self.config.raw.get("cohere_norm") == "rms" else Cohere2MoeModel

@@ -20,7 +20,7 @@ from gpu_worker.models.classic import (
     StableLmForCausalLM,
     Starcoder2ForCausalLM,
 )
-from gpu_worker.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
+from gpu_worker.models.cohere import Cohere2ForCausalLM, Cohere2MoeForCausalLM, CohereForCausalLM
 from gpu_worker.models.dbrx import DbrxForCausalLM
 from gpu_worker.models.deepseek import (
     DeepseekV2ForCausalLM,
@@ -211,6 +211,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MiMoV2FlashForCausalLM": MiMoV2FlashForCausalLM,
     "GraniteSWAForCausalLM": GraniteSWAForCausalLM,
     "GraniteMoeSWAForCausalLM": GraniteMoeSWAForCausalLM,
+    "Cohere2MoeForCausalLM": Cohere2MoeForCausalLM,
     "BertModel": BertModel,
     "RobertaModel": RobertaModel,
     "ModernBertModel": ModernBertModel,

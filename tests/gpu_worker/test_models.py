@@ -113,6 +113,19 @@ CASES = {
     "granite_swa_defaults": ("granite_swa", {"layer_rope_theta": None, "layer_types": None, "num_hidden_layers": 5}),
     "granitemoe_swa": ("granitemoe_swa", {}),
     "granitemoe_swa_two_bases": ("granitemoe_swa", {"layer_rope_theta": [500000.0] + [10000.0] * 3}),
+    # Cohere2-MoE: a dense prefix layer rotating, windowed layers rotating and a full one without
+    # positions (RoPE in pairs), the softmax over the top-k logits, a shared expert averaged in,
+    # LayerNorms; sigmoid weights unnormalised, the shared expert summed, RMSNorms; no shared expert,
+    # the prefix layer without positions (its pattern 2), one KV head, untied.
+    "cohere2_moe": ("cohere2_moe", {}),
+    "cohere2_moe_sigmoid_sum_rmsnorm": ("cohere2_moe", {"expert_selection_fn": "sigmoid", "norm_topk_prob": False,
+                                                        "shared_expert_combination_strategy": "sum",
+                                                        "rms_norm_eps": 1e-6}),
+    "cohere2_moe_unshared_prefix_pattern_mqa": ("cohere2_moe", {"expert_selection_fn": "sigmoid",
+                                                                "num_shared_experts": 0,
+                                                                "prefix_dense_sliding_window_pattern": 2,
+                                                                "num_key_value_heads": 1,
+                                                                "tie_word_embeddings": False}),
     "youtu": ("youtu", {}),
     "youtu_plain_query_halves_untied": ("youtu", {"q_lora_rank": None, "rope_interleave": False,
                                                   "tie_word_embeddings": False}),
@@ -619,7 +632,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "Jais2ForCausalLM", "SolarOpenForCausalLM", "YoutuForCausalLM",
                                    "AfmoeForCausalLM", "LagunaForCausalLM", "MellumForCausalLM",
                                    "HYV3ForCausalLM", "MiMoV2FlashForCausalLM", "GraniteSWAForCausalLM",
-                                   "GraniteMoeSWAForCausalLM",
+                                   "GraniteMoeSWAForCausalLM", "Cohere2MoeForCausalLM",
                                    "BertModel",
                                    "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
@@ -1822,6 +1835,32 @@ def test_granite_swa_configs_as_released():
                                  "num_experts_per_tok": 8, "intermediate_size": 512, "shared_intermediate_size": 1024})
     assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size) == (32, 8, 512)
     assert moe.shared_expert_intermediate_size == 1024 and moe.attention_sinks and moe.rope_layers[:2] == (False, True)
+
+
+def test_cohere2_moe_config_as_released():
+    """A Cohere2-MoE config as transformers' Cohere2MoeConfig reads it: first_k_dense_replace dense layers
+    (prefix_dense_intermediate_size wide, rotating under a prefix pattern of 1), then windowed layers but
+    every sliding_window_pattern-th (full, without positions); the experts intermediate_size wide, the
+    softmax over the top k logits; shared experts; the logits times logit_scale; LayerNorms unless
+    rms_norm_eps is set; a null window kept."""
+    released = {"architectures": ["Cohere2MoeForCausalLM"], "num_hidden_layers": 6, "first_k_dense_replace": 2,
+                "prefix_dense_intermediate_size": 4096, "intermediate_size": 1024, "num_experts": 64,
+                "num_experts_per_tok": 4, "num_shared_experts": 1, "num_key_value_heads": 8}
+    config = ModelConfig.from_dict(released)
+    assert config.intermediate_size == 4096 and config.moe_intermediate_size == 1024
+    assert (config.num_experts, config.num_experts_per_tok, config.shared_expert_intermediate_size) == (64, 4, 1024)
+    assert [config.layer_is_moe(i) for i in range(6)] == [False, False, True, True, True, True]
+    assert config.sliding_window == 4096 and config.sliding_window_layers == (False, False, True, True, True, False)
+    assert config.rope_layers == (True, True, True, True, True, False) and config.norm_topk_prob
+    assert config.logits_scaling == 16.0 and config.head_dim == 128 and config.raw["cohere_norm"] == "layer"
+    assert config.rms_norm_eps == 1e-5 and config.tie_word_embeddings and not config.moe_grouped_topk
+    rms = ModelConfig.from_dict({**released, "rms_norm_eps": 1e-6, "expert_selection_fn": "sigmoid",
+                                 "norm_topk_prob": False, "prefix_dense_sliding_window_pattern": 2})
+    assert rms.raw["cohere_norm"] == "rms" and rms.rms_norm_eps == 1e-6 and rms.moe_scoring == "sigmoid"
+    assert not rms.norm_topk_prob and rms.rope_layers[:2] == (True, False)
+    assert ModelConfig.from_dict({**released, "sliding_window": None}).sliding_window is None
+    with pytest.raises(ValueError, match="expert_selection_fn"):
+        ModelConfig.from_dict({**released, "expert_selection_fn": "topk"})
 
 
 def test_dbrx_config_as_released():

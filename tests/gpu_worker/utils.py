@@ -18,6 +18,7 @@ from transformers import (
     BambaConfig,
     BloomConfig,
     Cohere2Config,
+    Cohere2MoeConfig,
     CohereConfig,
     CwmConfig,
     DbrxConfig,
@@ -607,6 +608,16 @@ def make_config(kind: str = "llama", **overrides):
             return GraniteSWAConfig(**swa)
         return GraniteMoeSWAConfig(**{"num_local_experts": 8, "num_experts_per_tok": 2, "shared_intermediate_size": 48,
                                       **swa, "intermediate_size": 32})
+    # Cohere2-MoE: 4 layers, the first dense (rotating: prefix pattern 1), then windowed (8), windowed,
+    # full (no positions); 8 experts of 32 (2 a token, the softmax over their logits) beside a shared one,
+    # averaged; LayerNorms.
+    if kind == "cohere2_moe":
+        layers = max(4, kw["num_hidden_layers"])
+        return Cohere2MoeConfig(**{"num_experts": 8, "num_experts_per_tok": 2, "num_shared_experts": 1,
+                                   "sliding_window": 8, "sliding_window_pattern": 3, "first_k_dense_replace": 1,
+                                   "prefix_dense_intermediate_size": 96, "head_dim": 16, "logit_scale": 0.5,
+                                   "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw,
+                                   "num_hidden_layers": layers, "intermediate_size": 32})
     # Youtu-LLM: DeepSeek-V3's latent attention (rotary values in pairs) with dense MLPs, tied.
     if kind == "youtu":
         return YoutuConfig(**{"q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
