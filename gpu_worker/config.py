@@ -241,7 +241,7 @@ LLAMA_LIKE_DEFAULTS = {
     "HYV3ForCausalLM": {"vocab_size": 120832, "hidden_size": 4096, "intermediate_size": 13312, "num_hidden_layers": 80,
                         "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
                         "max_position_embeddings": 131072, "rms_norm_eps": 1e-5},
-    "Jais2ForCausalLM": {"vocab_size": 150272, "hidden_size": 3328, "intermediate_size": 26624,
+    "Jais2ForCausalLM": {"vocab_size": 150272, "hidden_size": 3328, "intermediate_size": 26624, "num_hidden_layers": 32,
                          "num_attention_heads": 26, "max_position_embeddings": 8192, "hidden_act": "relu2",
                          "attention_bias": True, "mlp_bias": True, "eos_token_id": 150024},
     "OlmoForCausalLM": {"max_position_embeddings": 2048},
@@ -1404,6 +1404,7 @@ def _laguna_config(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     if missing:
         raise ValueError(f"{arch}'s rope_parameters must give one dict per layer kind, got none for {missing}")
     if "sliding_attention" in kinds and not cfg.get("sliding_window"):
+        # (transformers' own cache cannot be built for such layers either)
         raise ValueError(f"{arch}'s sliding_attention layers need a sliding_window")
     full = params.get("full_attention") or {}
     return {**cfg, "layer_types": kinds, "mlp_layer_types": mlp_kinds, "rope_parameters": params,
@@ -1470,7 +1471,14 @@ def _mimo_v2_flash_config(cfg: dict[str, Any]) -> dict[str, Any]:
     if missing:
         raise ValueError(f"MiMoV2FlashForCausalLM's rope_parameters must give one dict per layer kind, got none "
                          f"for {missing}")
-    params = {kind: {"partial_rotary_factor": 0.334, **value} for kind, value in params.items()}
+    # (A kind's share: its own, else the config's top-level one, else 0.334 for plain RoPE and whole heads
+    # for a scaled one, as transformers' default and scaled RoPE functions read it.)
+    def share(value: dict[str, Any]) -> float:
+        top = cfg.get("partial_rotary_factor")
+        plain = (value.get("rope_type") or value.get("type") or "default") == "default"
+        return float(value.get("partial_rotary_factor", top if top is not None else 0.334 if plain else 1.0))
+
+    params = {kind: {**value, "partial_rotary_factor": share(value)} for kind, value in params.items()}
     window = cfg.get("sliding_window")
     if cfg.get("sliding_window_size") is not None:
         window = int(cfg["sliding_window_size"]) + 1
@@ -2218,9 +2226,11 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
             raise ValueError(f"mlp_layer_types must name 'dense' or 'sparse' for each of the {num_layers} "
                              f"layers, got {kinds}")
         width = read("moe_intermediate_size", 1536)
+        # (No shared experts: transformers' HYV3MLP still builds one, intermediate_size wide.)
+        shared = width * read("num_shared_experts", 1) or int(cfg["intermediate_size"])
         return dict(num_experts=read("num_experts", 192, "num_local_experts"),
                     num_experts_per_tok=read("num_experts_per_tok", 8), moe_intermediate_size=width,
-                    norm_topk_prob=True, shared_expert_intermediate_size=width * read("num_shared_experts", 1),
+                    norm_topk_prob=True, shared_expert_intermediate_size=shared,
                     shared_expert_gated=False, moe_grouped_topk=True, moe_scoring="sigmoid", moe_correction_bias=True,
                     routed_scaling_factor=float(cfg.get("router_scaling_factor") or 2.826),
                     moe_layers=tuple(kind == "sparse" for kind in kinds))

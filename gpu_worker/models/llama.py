@@ -767,11 +767,12 @@ class Dots1ForCausalLM(LlamaForCausalLM):
     chosen by sigmoid scores through a correction bias (SparseMoeBlock)."""
 
 
-class HYV3ForCausalLM(LlamaForCausalLM):
+class HYV3ForCausalLM(SkipsMtpLayers, LlamaForCausalLM):
     """Tencent's Hy3 (HYV3ForCausalLM: Hy3-preview): Qwen3's attention (per-head q/k norms) with routed
     experts where mlp_layer_types says sparse, chosen by sigmoid scores through a correction bias,
     renormalised and times router_scaling_factor, beside an ungated shared expert; its tensors read
-    under transformers' names or as released (``router.gate``, ``expert_bias``, ``shared_mlp``)."""
+    under transformers' names or as released (``router.gate``, ``expert_bias``, ``shared_mlp``); its
+    multi-token-prediction layer (numbered after the decoder's) is not read."""
 
     _RENAMED = ((".mlp.router.gate.", ".mlp.gate."), (".mlp.expert_bias", ".mlp.gate.e_score_correction_bias"),
                 (".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"),

@@ -91,6 +91,8 @@ CASES = {
     "hy_v3": ("hy_v3", {}),
     "hy_v3_mqa_tied_all_routed": ("hy_v3", {"num_key_value_heads": 1, "tie_word_embeddings": True,
                                             "mlp_layer_types": ["sparse", "sparse"], "num_shared_experts": 2}),
+    # (No shared experts stated: transformers still builds one, intermediate_size wide.)
+    "hy_v3_no_shared_experts": ("hy_v3", {"num_shared_experts": 0}),
     # MiMo-V2-Flash: q/k heads of 24 (a third turning, a RoPE base per layer kind), values of 16 scaled,
     # windowed layers of twice the KV heads with sinks, grouped sigmoid routing without shared experts;
     # one KV head in the full layers, tied, unscaled values, no biases; YaRN on the full layers; its
@@ -104,6 +106,11 @@ CASES = {
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}),
     "mimo_v2_flash_default_kinds": ("mimo_v2_flash", {"num_hidden_layers": 6, "layer_types": None,
                                                       "mlp_layer_types": None}),
+    # (YaRN without a share of its own turns whole heads, as transformers' scaled RoPE reads it.)
+    "mimo_v2_flash_yarn_whole_heads": ("mimo_v2_flash", {"rope_parameters": {
+        "full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 5000000.0,
+                           "original_max_position_embeddings": 16},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}),
     # GraniteSWA and GraniteMoeSWA: a sink per query head, windowed layers rotating (base 10,000) and a
     # full one without positions; a base of its own for the full layer, one KV head, tied; the defaults
     # (every fourth layer full, one base everywhere) over five layers.
@@ -1033,9 +1040,9 @@ def test_deepseek_configs_as_released():
     assert (bare.moe_num_groups, bare.moe_topk_groups, bare.q_lora_rank, bare.num_experts) == (8, 4, 1536, 256)
 
 
-@pytest.mark.parametrize("kind", ["glm4_moe", "minimax_m2"])
+@pytest.mark.parametrize("kind", ["glm4_moe", "minimax_m2", "hy_v3"])
 def test_multi_token_prediction_layers_are_not_read_by_the_model(tmp_path, kind):
-    """GLM-4.5's and MiniMax-M2's checkpoints hold their MTP modules as more layers
+    """GLM-4.5's, MiniMax-M2's and Hy3's checkpoints hold their MTP modules as more layers
     (model.layers.{num_hidden_layers}...): skipped at load (the mtp drafter reads GLM's); the
     model's own layers answer as transformers' do."""
     path = save_tiny_model(tmp_path, kind)
@@ -1054,7 +1061,8 @@ def test_multi_token_prediction_layers_are_not_read_by_the_model(tmp_path, kind)
     torch.testing.assert_close(prefill_logits(runner, prompt, [3, 1, 4, 0, 2]), ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["granitemoe", "minimax_m2", "mixtral", "olmoe", "flex_olmo", "hunyuan_moe"])
+@pytest.mark.parametrize("kind", ["granitemoe", "minimax_m2", "mixtral", "olmoe", "flex_olmo", "hunyuan_moe", "hy_v3",
+                                  "laguna", "afmoe", "mimo_v2_flash", "solar_open", "mellum", "cohere2_moe"])
 def test_moe_checkpoints_in_transformers_own_layout_load_too(tmp_path, kind):
     """Saved with transformers 5's own names (save_original_format=False: stacked experts, its router
     and bias names) rather than the released ones: the same logits."""
@@ -1068,6 +1076,9 @@ def test_moe_checkpoints_in_transformers_own_layout_load_too(tmp_path, kind):
         for name, buffer in hf.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0.0, 0.3)
+        for name, param in hf.named_parameters():  # (Laguna's and AFMoE's biases, AFMoE's and MiMo's zero routers)
+            if name.endswith(("e_score_correction_bias", "expert_bias", "router.gate.weight", "mlp.gate.weight")):
+                param.normal_(0.0, 0.3)
     hf.save_pretrained(tmp_path, save_original_format=False)
     assert any(".experts.gate_up_proj" in name for name in load_file(tmp_path / "model.safetensors"))
     runner = make_runner(tmp_path, num_blocks=16, block_size=4)
@@ -1641,9 +1652,10 @@ def test_exaone_moe_config_as_released():
 def test_jais2_config_as_released():
     """Jais-2-8B-Chat's config as transformers' Jais2Config describes it: LayerNorms (layer_norm_eps),
     relu^2 unless stated, biases on the attention's and the MLP's projections, 26 heads of 128."""
-    released = {"architectures": ["Jais2ForCausalLM"], "num_hidden_layers": 32, "layer_norm_eps": 1e-5,
-                "num_key_value_heads": 26, "rope_theta": 1000000.0}
+    released = {"architectures": ["Jais2ForCausalLM"], "layer_norm_eps": 1e-5, "num_key_value_heads": 26,
+                "rope_theta": 1000000.0}
     config = ModelConfig.from_dict(released)
+    assert config.num_hidden_layers == 32  # (LlamaConfig's default, where left out)
     assert (config.hidden_size, config.intermediate_size, config.num_attention_heads, config.head_dim) == \
         (3328, 26624, 26, 128)
     assert config.hidden_act == "relu2" and config.qkv_bias and config.o_proj_bias and config.mlp_bias
