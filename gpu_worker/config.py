@@ -102,7 +102,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Gemma4ForCausalLM", "Jais2ForCausalLM", "SolarOpenForCausalLM",
                            "YoutuForCausalLM", "AfmoeForCausalLM", "LagunaForCausalLM", "MellumForCausalLM",
                            "HYV3ForCausalLM", "MiMoV2FlashForCausalLM", "GraniteSWAForCausalLM",
-                           "GraniteMoeSWAForCausalLM", "Cohere2MoeForCausalLM")
+                           "GraniteMoeSWAForCausalLM", "Cohere2MoeForCausalLM", "Lfm3ForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -115,7 +115,7 @@ TEXT_ONLY_DECODER_OF = {"Llama4ForConditionalGeneration": "Llama4ForCausalLM",
                         "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
                         "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}
 # Liquid AI's LFM2 (dense) and LFM2-MoE: gated short convolutions beside attention with q/k norms.
-LFM2_ARCHITECTURES = ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM")
+LFM2_ARCHITECTURES = ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "Lfm3ForCausalLM")
 # Qwen3-Next's family: Gated DeltaNet layers beside gated attention (Qwen3.5's projections apart).
 QWEN3_NEXT_FAMILY = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 # IBM Granite's routed-expert models: Granite 3.x MoE, with a shared expert, and Granite 4.0 (its
@@ -1238,6 +1238,8 @@ def _lfm2_config(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     full_attn_idxs where layer_types is absent, and the dense model's MLP width adjusted as
     block_auto_adjust_ff_dim says (2/3 of it, times block_ffn_dim_multiplier, rounded up to
     block_multiple_of: LFM2-1.2B's 12288 is 8192)."""
+    if arch == "Lfm3ForCausalLM":
+        return _lfm3_config(cfg)
     multiplier = cfg.get("block_ffn_dim_multiplier", 1.0)  # (null: no multiplier, no rounding)
     cfg = {k: v for k, v in cfg.items() if v is not None}
     num_layers = int(cfg.get("num_hidden_layers", 32))
@@ -1256,20 +1258,53 @@ def _lfm2_config(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
             "tie_word_embeddings": bool(cfg.get("tie_embedding", cfg.get("tie_word_embeddings", True)))}
 
 
+def _lfm3_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """LFM3's config as transformers' Lfm3Config reads it: its defaults for the keys a config leaves out
+    (the MLP intermediate_size wide as stated, no adjustment), norm_eps as the norms' epsilon; where
+    layer_types is absent, of every four layers from the first a convolution, a convolution, a full
+    attention layer and a convolution, the fourth of each four after the first a windowed attention layer
+    instead; RoPE per layer kind (the full layers' proportional over half of each head's frequencies,
+    base 1,000,000; the windowed layers' plain, 10,000)."""
+    cfg = {"vocab_size": 128_000, "hidden_size": 2048, "intermediate_size": 7680, "num_hidden_layers": 24,
+           "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128, "max_position_embeddings": 128_000,
+           "conv_L_cache": 7, "sliding_window": 256, **{k: v for k, v in cfg.items() if v is not None}}
+    num_layers = int(cfg["num_hidden_layers"])
+    if not isinstance(cfg.get("layer_types"), list):
+        cfg["layer_types"] = ["full_attention" if i % 4 == 2 else "sliding_attention" if i % 4 == 0 and i > 0
+                              else "conv" for i in range(num_layers)]
+    if not isinstance(cfg.get("rope_parameters"), dict) or not cfg["rope_parameters"]:
+        cfg["rope_parameters"] = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                                  "full_attention": {"rope_type": "proportional", "rope_theta": 1_000_000.0,
+                                                     "partial_rotary_factor": 0.5}}
+    missing = sorted({kind for kind in cfg["layer_types"] if kind != "conv"
+                      and not isinstance(cfg["rope_parameters"].get(kind), dict)})
+    if missing:
+        raise ValueError(f"Lfm3ForCausalLM's rope_parameters must give one dict per attention kind, got none for "
+                         f"{missing}")
+    return {**cfg, "rms_norm_eps": float(cfg.get("norm_eps", 1e-5)),
+            "tie_word_embeddings": bool(cfg.get("tie_embedding", cfg.get("tie_word_embeddings", True)))}
+
+
 def _lfm2_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
-    """LFM2's short-convolution layers (layer_types "conv") and their geometry."""
+    """LFM2's short-convolution layers (layer_types "conv") and their geometry; LFM3's windowed
+    attention layers' plain RoPE."""
     if arch not in LFM2_ARCHITECTURES:
         return {}
     kinds = cfg["layer_types"]
     if len(kinds) != num_layers:
         raise ValueError(f"layer_types lists {len(kinds)} layers, the model has {num_layers}")
-    unknown = sorted({k for k in kinds if k not in ("conv", "full_attention")})
+    lfm3 = arch == "Lfm3ForCausalLM"
+    served = ("conv", "full_attention", "sliding_attention") if lfm3 else ("conv", "full_attention")
+    unknown = sorted({k for k in kinds if k not in served})
     if unknown:
-        raise ValueError(f"layer_types: LFM2's layers are 'conv' or 'full_attention', got {unknown}")
+        raise ValueError(f"layer_types: {arch}'s layers are {' or '.join(map(repr, served))}, got {unknown}")
+    fields: dict[str, Any] = {}
+    if lfm3 and "sliding_attention" in kinds:
+        fields["local_rope_theta"] = _local_rope_theta(arch, cfg, 10_000.0)
     if "conv" not in kinds:
-        return {}
+        return fields
     conv = ShortConvConfig(int(cfg["hidden_size"]), int(cfg.get("conv_L_cache", 3)), bool(cfg.get("conv_bias", False)))
-    return dict(mamba=conv, mamba_layers=tuple(kind == "conv" for kind in kinds))
+    return dict(**fields, mamba=conv, mamba_layers=tuple(kind == "conv" for kind in kinds))
 
 
 def _falcon_h1_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -3010,7 +3045,7 @@ class ModelConfig:
                                                              "Cohere2ForCausalLM", *EXAONE_ARCHITECTURES,
                                                              "AfmoeForCausalLM", *LAGUNA_ARCHITECTURES,
                                                              "MiMoV2FlashForCausalLM", *GRANITE_SWA_ARCHITECTURES,
-                                                             "Cohere2MoeForCausalLM",
+                                                             "Cohere2MoeForCausalLM", "Lfm3ForCausalLM",
                                                              "Starcoder2ForCausalLM") else None)
             if arch == "SmolLM3ForCausalLM" and cfg.get("use_sliding_window"):
                 sliding = cfg.get("sliding_window")

@@ -14,9 +14,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
+import torch
+
+from gpu_worker.attn_metadata import AttentionMetadata
+from gpu_worker.config import ModelConfig
+from gpu_worker.layers.layernorm import RMSNorm
+from gpu_worker.layers.linear import ColumnParallelLinear
 from gpu_worker.layers.short_conv import ShortConv
 from gpu_worker.layers.weight_utils import WeightLike
-from gpu_worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from gpu_worker.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
 # transformers' names -> ours (the layer's own ``conv`` first: its convolution is named ``conv`` too).
 _RENAMED = ((".self_attn.out_proj.", ".self_attn.o_proj."), (".self_attn.q_layernorm.", ".self_attn.q_norm."),
@@ -50,3 +56,60 @@ class Lfm2ForCausalLM(LlamaForCausalLM):
 class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
     """LFM2-MoE: LFM2's layers, routed experts (sigmoid scores chosen through ``expert_bias``) in
     place of the MLP from layer num_dense_layers on."""
+
+
+class Lfm3Attention(LlamaAttention):
+    """LFM3's attention: Qwen3's (per-head q/k norms), its output scaled per head by sigmoid(gate_proj(x))
+    where use_attention_gate (the released name; transformers' g_proj), the gate's rows split across
+    tensor-parallel ranks as the query heads are."""
+
+    def __init__(self, config: ModelConfig, layer: int = 0, norm_class: type[RMSNorm] = RMSNorm) -> None:
+        super().__init__(config, layer, norm_class)
+        self.gate_proj = (ColumnParallelLinear(config.hidden_size, config.num_attention_heads)
+                          if config.raw.get("use_attention_gate", True) else None)
+
+    def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        out = self.attend(rope, hidden, meta)
+        if self.gate_proj is not None:
+            gate = torch.sigmoid(self.gate_proj.forward(hidden)).unsqueeze(-1)
+            out = (out.view(out.shape[0], -1, self.head_dim) * gate).view(out.shape[0], -1)
+        return self.o_proj.forward(out)
+
+
+class Lfm3DecoderLayer(Lfm2DecoderLayer):
+    """LFM2's layer with LFM3's attention and, under use_sandwich_norm, each sublayer's output normed
+    before its residual add (``post_operator_norm``, ``post_ffn_norm``)."""
+
+    attention_class = Lfm3Attention
+
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
+        super().__init__(config, layer)
+        sandwich = config.raw.get("use_sandwich_norm", True)
+        self.post_operator_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if sandwich else None
+        self.post_ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if sandwich else None
+
+    def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.post_operator_norm is None:
+            return super().forward(rope, hidden, residual, meta)
+        hidden, residual = self._attention(rope, hidden, residual, meta)
+        hidden = self.post_operator_norm.forward(hidden)
+        hidden, residual = self.post_attention_layernorm.forward(hidden, residual)
+        return self.post_ffn_norm.forward(self.mlp.forward(hidden)), residual
+
+
+class Lfm3Model(LlamaModel):
+    layer_class = Lfm3DecoderLayer
+
+
+class Lfm3ForCausalLM(Lfm2ForCausalLM):
+    """Liquid AI's LFM3 (LFM3-1.7B): LFM2's short-convolution and attention layers (the convolutions
+    conv_L_cache wide) with windowed attention layers beside the full ones, a RoPE per layer kind (the
+    full layers' proportional, half of each head's frequencies turning; the windowed layers' plain),
+    a sigmoid gate per head on the attention's output, and four norms a layer (use_sandwich_norm)."""
+
+    model_class = Lfm3Model
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
+        return super().checkpoint_tensors((name.replace(".self_attn.g_proj.", ".self_attn.gate_proj."), tensor)
+                                          for name, tensor in weights)

@@ -46,7 +46,7 @@ from gpu_worker.models.internvl import internvl_class
 from gpu_worker.models.jamba import JambaForCausalLM
 from gpu_worker.models.laguna import LagunaForCausalLM, MellumForCausalLM
 from gpu_worker.models.language_model_only import language_model_class
-from gpu_worker.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM
+from gpu_worker.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM, Lfm3ForCausalLM
 from gpu_worker.models.llama import (
     BambaForCausalLM,
     CwmForCausalLM,
@@ -212,6 +212,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GraniteSWAForCausalLM": GraniteSWAForCausalLM,
     "GraniteMoeSWAForCausalLM": GraniteMoeSWAForCausalLM,
     "Cohere2MoeForCausalLM": Cohere2MoeForCausalLM,
+    "Lfm3ForCausalLM": Lfm3ForCausalLM,
     "BertModel": BertModel,
     "RobertaModel": RobertaModel,
     "ModernBertModel": ModernBertModel,

@@ -112,7 +112,8 @@ def test_gemma3n_and_gemma4_refuse_what_their_layers_cannot_follow(tmp_path, kin
 
 
 @pytest.mark.parametrize("kind", ["granitemoehybrid", "bamba", "nemotron_h", "nemotron_h_moe", "mamba2",
-                                  "qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe", "falcon_h1", "mamba",
+                                  "qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe", "lfm3", "falcon_h1",
+                                  "mamba",
                                   "falcon_mamba", "jamba", "zamba2"])
 def test_mamba_hybrids_recompute_what_a_prefix_cache_would_skip(tmp_path, kind):
     """Granite 4.0-H, Bamba and Nemotron-H (Mamba-2 layers beside attention), a pure Mamba-2 model, and
@@ -150,7 +151,8 @@ def test_granite_4_hybrid_refuses_what_its_states_cannot_follow(tmp_path, flags,
 
 
 @pytest.mark.parametrize("kind", [*KINDS, "granitemoehybrid", "bamba", "nemotron_h", "nemotron_h_moe", "qwen3_next",
-                                  "qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe", "falcon_h1", "falcon_mamba", "jamba",
+                                  "qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe", "lfm3", "falcon_h1", "falcon_mamba",
+                                  "jamba",
                                   "zamba2"])
 def test_bf16_logprobs_are_transformers_fp32_ones_within_bf16_precision(tmp_path, kind):
     """Each prompt token's log-probability (prefill) and each greedy token's (decode)."""

@@ -261,6 +261,13 @@ CASES = {
     "lfm2_biases_mqa_unadjusted": ("lfm2", {"conv_bias": True, "num_key_value_heads": 1, "full_attn_idxs": [0, 2],
                                             "block_auto_adjust_ff_dim": False, "tie_word_embeddings": False}),
     "lfm2_moe": ("lfm2_moe", {}),
+    # LFM3: convolutions, a full attention layer with proportional RoPE and a windowed one with plain RoPE,
+    # per-head sigmoid gates, four norms a layer; without the gates and the extra norms, one KV head,
+    # tied; transformers' default layer kinds over eight layers.
+    "lfm3": ("lfm3", {}),
+    "lfm3_plain_mqa_tied": ("lfm3", {"use_sandwich_norm": False, "use_attention_gate": False,
+                                     "num_key_value_heads": 1, "tie_word_embeddings": True}),
+    "lfm3_default_kinds": ("lfm3", {"layer_types": None, "num_hidden_layers": 8}),
     "lfm2_moe_no_expert_bias_mqa": ("lfm2_moe", {"use_expert_bias": False, "norm_topk_prob": False,
                                                  "num_key_value_heads": 1}),
     "nemotron_h": ("nemotron_h", {}),
@@ -639,7 +646,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "Jais2ForCausalLM", "SolarOpenForCausalLM", "YoutuForCausalLM",
                                    "AfmoeForCausalLM", "LagunaForCausalLM", "MellumForCausalLM",
                                    "HYV3ForCausalLM", "MiMoV2FlashForCausalLM", "GraniteSWAForCausalLM",
-                                   "GraniteMoeSWAForCausalLM", "Cohere2MoeForCausalLM",
+                                   "GraniteMoeSWAForCausalLM", "Cohere2MoeForCausalLM", "Lfm3ForCausalLM",
                                    "BertModel",
                                    "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
@@ -1873,6 +1880,25 @@ def test_cohere2_moe_config_as_released():
     assert ModelConfig.from_dict({**released, "sliding_window": None}).sliding_window is None
     with pytest.raises(ValueError, match="expert_selection_fn"):
         ModelConfig.from_dict({**released, "expert_selection_fn": "topk"})
+
+
+def test_lfm3_config_as_released():
+    """LFM3-1.7B's config as transformers' Lfm3Config describes it: 24 layers, of every four a convolution
+    (7 wide), a convolution, a full attention layer and a convolution, the first of each four after the
+    first a windowed attention layer (256) instead; 16 query heads of 128 over 4 KV heads with per-head
+    q/k norms; the full layers' proportional RoPE (half of each head's frequencies, base 1,000,000), the
+    windowed layers' plain (10,000); the MLP 7680 wide as stated; tied."""
+    config = ModelConfig.from_dict({"architectures": ["Lfm3ForCausalLM"], "norm_eps": 1e-5})
+    kinds = config.raw["layer_types"]
+    assert kinds[:9] == ["conv", "conv", "full_attention", "conv", "sliding_attention", "conv", "full_attention",
+                         "conv", "sliding_attention"]
+    assert config.mamba_layers[:4] == (True, True, False, True) and config.mamba.conv_kernel == 7
+    assert config.sliding_window == 256 and config.sliding_window_layers[4] and not config.sliding_window_layers[2]
+    assert config.rope_scaling == {"rope_type": "proportional", "partial_rotary_factor": 0.5}
+    assert config.rope_theta == 1_000_000.0 and config.local_rope_theta == 10_000.0 and config.rotary_dim == 128
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (16, 4, 128)
+    assert config.intermediate_size == 7680 and config.qk_norm and config.tie_word_embeddings
+    assert config.num_attention_layers == 11
 
 
 def test_dbrx_config_as_released():

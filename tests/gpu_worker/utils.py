@@ -63,6 +63,7 @@ from transformers import (
     LagunaConfig,
     Lfm2Config,
     Lfm2MoeConfig,
+    Lfm3Config,
     LlamaConfig,
     Mamba2Config,
     MambaConfig,
@@ -618,6 +619,16 @@ def make_config(kind: str = "llama", **overrides):
                                    "prefix_dense_intermediate_size": 96, "head_dim": 16, "logit_scale": 0.5,
                                    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw,
                                    "num_hidden_layers": layers, "intermediate_size": 32})
+    # LFM3: 4 layers: a convolution (8 wide), a full attention layer (proportional RoPE over half of each
+    # 16-wide head's frequencies), a convolution, a windowed one (8; plain RoPE); a sigmoid gate per head,
+    # four norms a layer.
+    if kind == "lfm3":
+        layers = max(4, kw["num_hidden_layers"])
+        return Lfm3Config(**{"head_dim": 16, "sliding_window": 8, "conv_L_cache": 3, "tie_word_embeddings": False,
+                             "layer_types": ["conv", "full_attention", "conv", "sliding_attention"]
+                             + ["conv"] * (layers - 4),
+                             "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw,
+                             "num_hidden_layers": layers})
     # Youtu-LLM: DeepSeek-V3's latent attention (rotary values in pairs) with dense MLPs, tied.
     if kind == "youtu":
         return YoutuConfig(**{"q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
@@ -736,9 +747,10 @@ def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides)
             # Laguna's correction bias is a parameter (the others' a buffer, below), zero at first.
             if name.endswith("e_score_correction_bias"):
                 param.normal_(0.0, 0.3)
-            # AFMoE's router starts at zero (every expert tied), its expert_bias too; its four norms a
-            # layer at one: drawn apart, so a norm misplaced or skipped shows.
-            if kind == "afmoe" and name.endswith(("router.gate.weight", "expert_bias", "norm.weight")):
+            # AFMoE's router starts at zero (every expert tied), its expert_bias too; its (and LFM3's) four
+            # norms a layer at one: drawn apart, so a norm misplaced or skipped shows.
+            if (kind == "afmoe" and name.endswith(("router.gate.weight", "expert_bias", "norm.weight"))) \
+                    or (kind == "lfm3" and name.endswith("norm.weight")):
                 param.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.5)
             if name.endswith(("mamba.norm.weight", "mixer.norm.weight")) or (kind == "nemotron_h"
                                                                              and name.endswith("norm.weight")):
