@@ -102,7 +102,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Gemma4ForCausalLM", "Jais2ForCausalLM", "SolarOpenForCausalLM",
                            "YoutuForCausalLM", "AfmoeForCausalLM", "LagunaForCausalLM", "MellumForCausalLM",
                            "HYV3ForCausalLM", "MiMoV2FlashForCausalLM", "GraniteSWAForCausalLM",
-                           "GraniteMoeSWAForCausalLM", "Cohere2MoeForCausalLM", "Lfm3ForCausalLM")
+                           "GraniteMoeSWAForCausalLM", "Cohere2MoeForCausalLM", "Lfm3ForCausalLM",
+                           "GPTNeoForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -294,7 +295,7 @@ PARTIAL_ROTARY_ARCHITECTURES = ("LagunaForCausalLM", "MiMoV2FlashForCausalLM", "
 # The GPT family's configs (GPT-2's key names: n_embd, n_layer, ...): GPT-2, GPTBigCode, GPT-J.
 GPT_ARCHITECTURES = ("GPT2LMHeadModel", "GPTBigCodeForCausalLM", "GPTJForCausalLM")
 # Those of learned position embeddings instead of RoPE.
-LEARNED_POSITION_ARCHITECTURES = ("GPT2LMHeadModel", "GPTBigCodeForCausalLM", "OPTForCausalLM")
+LEARNED_POSITION_ARCHITECTURES = ("GPT2LMHeadModel", "GPTBigCodeForCausalLM", "OPTForCausalLM", "GPTNeoForCausalLM")
 # MosaicML's MPT, under transformers' name and its own checkpoints' (MosaicML's code).
 MPT_ARCHITECTURES = ("MptForCausalLM", "MPTForCausalLM")
 # Families of LayerNorms (with their epsilon under layer_norm_eps, norm_epsilon or norm_eps).
@@ -305,7 +306,8 @@ LAYER_NORM_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM", "Starcode
 # tanh forms of gelu under three names: gelu_new, gelu_fast, gelu_pytorch_tanh).
 UNGATED_MLP_ARCHITECTURES = ("Starcoder2ForCausalLM", "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM",
                              *GPT_ARCHITECTURES, "OPTForCausalLM", "FalconForCausalLM", "ApertusForCausalLM",
-                             "BloomForCausalLM", *MPT_ARCHITECTURES, "PersimmonForCausalLM", "Jais2ForCausalLM")
+                             "BloomForCausalLM", *MPT_ARCHITECTURES, "PersimmonForCausalLM", "Jais2ForCausalLM",
+                             "GPTNeoForCausalLM")
 UNGATED_ACTIVATIONS = ("relu", "relu2", "gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh", "xielu")
 # transformers' Qwen3NextConfig defaults for the keys a Qwen3-Next config may leave out.
 QWEN3_NEXT_DEFAULTS = {"head_dim": 256, "partial_rotary_factor": 0.25, "linear_conv_kernel_dim": 4,
@@ -1707,6 +1709,30 @@ def _gpt_config(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     return {**cfg, "attention_bias": True, "mlp_bias": True, "num_key_value_heads": 1 if multi_query else heads}
 
 
+def _gpt_neo_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A GPT-Neo config in the other families' key names, as transformers' GPTNeoConfig reads it: its
+    defaults, the layer kinds from attention_layers (or attention_types expanded: [kinds, repeats]
+    pairs; "local" layers windowed by window_size), an MLP 4 x hidden_size wide where unset, q/k/v
+    without biases beside a biased out_proj and MLP."""
+    cfg = {"vocab_size": 50257, "max_position_embeddings": 2048, "hidden_size": 2048, "num_layers": 24,
+           "num_heads": 16, "window_size": 256, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
+           "tie_word_embeddings": True, "eos_token_id": 50256, **{k: v for k, v in cfg.items() if v is not None}}
+    kinds = cfg.get("attention_layers")
+    if not isinstance(kinds, list):
+        kinds = [kind for kinds_, repeats in cfg.get("attention_types") or [[["global", "local"], 12]]
+                 for _ in range(int(repeats)) for kind in kinds_]
+    num_layers, hidden, heads = int(cfg["num_layers"]), int(cfg["hidden_size"]), int(cfg["num_heads"])
+    if len(kinds) != num_layers or not set(kinds) <= {"global", "local"}:
+        raise ValueError(f"GPT-Neo's attention_layers must name 'global' or 'local' for each of its {num_layers} "
+                         f"layers, got {kinds}")
+    return {**cfg, "num_hidden_layers": num_layers, "num_attention_heads": heads, "num_key_value_heads": heads,
+            "intermediate_size": int(cfg.get("intermediate_size") or 4 * hidden),
+            "hidden_act": cfg["activation_function"],
+            "rms_norm_eps": float(cfg["layer_norm_epsilon"]), "sliding_window": int(cfg["window_size"]),
+            "layer_types": ["sliding_attention" if kind == "local" else "full_attention" for kind in kinds],
+            "attention_bias": False, "mlp_bias": True}
+
+
 # transformers' OPTConfig defaults for the keys a config may leave out.
 _OPT_DEFAULTS = {"vocab_size": 50272, "hidden_size": 768, "num_hidden_layers": 12, "ffn_dim": 3072,
                  "max_position_embeddings": 2048, "num_attention_heads": 12, "activation_function": "relu",
@@ -1880,7 +1906,9 @@ def _learned_positions_fields(arch: str, cfg: dict[str, Any], num_layers: int) -
         return {}
     return {"learned_positions": True, "rope_layers": (False,) * num_layers,
             "position_offset": 2 if arch == "OPTForCausalLM" else 0,
-            **({} if cfg.get("scale_attn_weights", True) else {"attention_multiplier": 1.0})}
+            # (GPT-Neo never scales its scores)
+            **({} if cfg.get("scale_attn_weights", True) and arch != "GPTNeoForCausalLM"
+               else {"attention_multiplier": 1.0})}
 
 
 def _zamba2_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -2875,6 +2903,8 @@ class ModelConfig:
             cfg = _gpt_config(arch, cfg)
         if arch == "OPTForCausalLM":
             cfg = _opt_config(cfg)
+        if arch == "GPTNeoForCausalLM":
+            cfg = _gpt_neo_config(cfg)
         if arch == "FalconForCausalLM":
             cfg = _falcon_config(cfg)
         if arch == "BloomForCausalLM":
@@ -3035,6 +3065,8 @@ class ModelConfig:
                 o_bias = bool(cfg.get("attention_out_bias", False))
             if arch == "MiMoV2FlashForCausalLM":  # (q, k and v's alone)
                 o_bias = False
+            if arch == "GPTNeoForCausalLM":  # (out_proj's alone)
+                o_bias = True
             if arch == "StableLmForCausalLM":  # (q, k and v's alone)
                 qkv_bias, o_bias = bool(cfg.get("use_qkv_bias", False)), False
             # Mistral v0.1 (4096) and Phi-3 (2047 in the 4k models) window every layer.
@@ -3046,6 +3078,7 @@ class ModelConfig:
                                                              "AfmoeForCausalLM", *LAGUNA_ARCHITECTURES,
                                                              "MiMoV2FlashForCausalLM", *GRANITE_SWA_ARCHITECTURES,
                                                              "Cohere2MoeForCausalLM", "Lfm3ForCausalLM",
+                                                             "GPTNeoForCausalLM",
                                                              "Starcoder2ForCausalLM") else None)
             if arch == "SmolLM3ForCausalLM" and cfg.get("use_sliding_window"):
                 sliding = cfg.get("sliding_window")

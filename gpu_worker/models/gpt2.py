@@ -12,6 +12,11 @@ GPTBigCode: GPT-2's layers as Linear modules, with multi-query attention (one KV
 holds q's rows, then the head's k and v) unless multi_query is off, where ``c_attn`` holds each
 head's q, k and v together (as GPT-NeoX's query_key_value).
 
+GPT-Neo (GPTNeoForCausalLM: gpt-neo-125m / 1.3B / 2.7B): GPT-2's layers with q, k and v apart and
+without biases (``attn.attention.{q,k,v}_proj``; out_proj biased), Linear MLP projections, scores not
+scaled by head_dim ** -0.5, and every other layer (``attention_layers`` "local") attending through a
+window of ``window_size`` tokens.
+
 GPT-J: attention and MLP side by side on one LayerNorm (as Phi's), RoPE over the first rotary_dim
 values of each head in GPT-J's pairs (reordered into halves at load, as the other paired families'),
 q, k, v and out projections without biases, an MLP with them (``fc_in``, ``fc_out``), an LM head
@@ -83,6 +88,13 @@ class GPTBigCodeForCausalLM(GPT2LMHeadModel):
         if self.config.num_key_value_heads == 1:
             return super().fused_qkv_parts(fused)
         return per_head_qkv(fused, self.config.num_attention_heads, self.config.head_dim)
+
+
+class GPTNeoForCausalLM(GPTCheckpoint, LlamaForCausalLM):
+    model_class = GPT2Model
+    renames = ((".ln_1.", ".input_layernorm."), (".ln_2.", ".post_attention_layernorm."),
+               (".attn.attention.out_proj.", ".self_attn.o_proj."), (".attn.attention.", ".self_attn."))
+    skipped = (*_MASKS, ".attn.attention.bias", ".attn.attention.masked_bias")
 
 
 class GPTJMLP(UngatedMLP):

@@ -38,7 +38,7 @@ from gpu_worker.models.gemma3_vl import Gemma3VLForConditionalGeneration
 from gpu_worker.models.gemma3n import Gemma3nForCausalLM
 from gpu_worker.models.gemma4 import Gemma4ForCausalLM
 from gpu_worker.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
-from gpu_worker.models.gpt2 import GPT2LMHeadModel, GPTBigCodeForCausalLM, GPTJForCausalLM
+from gpu_worker.models.gpt2 import GPT2LMHeadModel, GPTBigCodeForCausalLM, GPTJForCausalLM, GPTNeoForCausalLM
 from gpu_worker.models.gpt_oss import GptOssForCausalLM
 from gpu_worker.models.idefics3 import Idefics3ForConditionalGeneration
 from gpu_worker.models.internlm import InternLM2ForCausalLM, InternLM3ForCausalLM
@@ -213,6 +213,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GraniteMoeSWAForCausalLM": GraniteMoeSWAForCausalLM,
     "Cohere2MoeForCausalLM": Cohere2MoeForCausalLM,
     "Lfm3ForCausalLM": Lfm3ForCausalLM,
+    "GPTNeoForCausalLM": GPTNeoForCausalLM,
     "BertModel": BertModel,
     "RobertaModel": RobertaModel,
     "ModernBertModel": ModernBertModel,

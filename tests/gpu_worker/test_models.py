@@ -133,6 +133,11 @@ CASES = {
                                                                 "prefix_dense_sliding_window_pattern": 2,
                                                                 "num_key_value_heads": 1,
                                                                 "tie_word_embeddings": False}),
+    # GPT-Neo: global and local (8) layers in turn, unscaled scores, learned positions, tied; four
+    # layers, untied, an MLP of its own width.
+    "gpt_neo": ("gpt_neo", {}),
+    "gpt_neo_four_layers_untied": ("gpt_neo", {"num_hidden_layers": 4, "tie_word_embeddings": False,
+                                               "intermediate_size": 96}),
     "youtu": ("youtu", {}),
     "youtu_plain_query_halves_untied": ("youtu", {"q_lora_rank": None, "rope_interleave": False,
                                                   "tie_word_embeddings": False}),
@@ -647,6 +652,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "AfmoeForCausalLM", "LagunaForCausalLM", "MellumForCausalLM",
                                    "HYV3ForCausalLM", "MiMoV2FlashForCausalLM", "GraniteSWAForCausalLM",
                                    "GraniteMoeSWAForCausalLM", "Cohere2MoeForCausalLM", "Lfm3ForCausalLM",
+                                   "GPTNeoForCausalLM",
                                    "BertModel",
                                    "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
@@ -1899,6 +1905,28 @@ def test_lfm3_config_as_released():
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (16, 4, 128)
     assert config.intermediate_size == 7680 and config.qk_norm and config.tie_word_embeddings
     assert config.num_attention_layers == 11
+
+
+def test_gpt_neo_config_as_released():
+    """EleutherAI/gpt-neo-125m's config (its keys as released): 12 layers, global and local (256) in
+    turn from attention_types (or attention_layers where stated), 12 heads of 64, learned positions
+    (2048), unscaled scores, q/k/v without biases beside a biased out_proj, gelu_new, tied; the layer
+    kinds' count checked."""
+    released = {"architectures": ["GPTNeoForCausalLM"], "activation_function": "gelu_new",
+                "attention_types": [[["global", "local"], 6]], "hidden_size": 768, "intermediate_size": None,
+                "layer_norm_epsilon": 1e-05, "max_position_embeddings": 2048, "num_heads": 12, "num_layers": 12,
+                "vocab_size": 50257, "window_size": 256, "bos_token_id": 50256, "eos_token_id": 50256}
+    config = ModelConfig.from_dict(released)
+    assert (config.num_hidden_layers, config.num_attention_heads, config.head_dim) == (12, 12, 64)
+    assert config.intermediate_size == 3072 and config.hidden_act == "gelu_new" and config.rms_norm_eps == 1e-5
+    assert config.sliding_window == 256 and config.sliding_window_layers == (False, True) * 6
+    assert config.learned_positions and not any(config.rope_layers) and config.attention_scale == 1.0
+    assert not config.qkv_bias and config.o_proj_bias and config.mlp_bias and config.tie_word_embeddings
+    assert config.max_context_len == 2048 and config.eos_token_ids == (50256,)
+    listed = ModelConfig.from_dict({**released, "attention_layers": ["local", "global"] * 6})
+    assert listed.sliding_window_layers == (True, False) * 6
+    with pytest.raises(ValueError, match="attention_layers"):
+        ModelConfig.from_dict({**released, "attention_types": [[["global", "local"], 5]]})
 
 
 def test_dbrx_config_as_released():

@@ -132,6 +132,7 @@ def _drive(workers_execute, prompts: dict[str, list[int]], num_blocks: int, spec
     ("granite_swa", {}, False),
     ("granitemoe_swa", {}, True),
     ("cohere2_moe", {}, True),
+    ("gpt_neo", {}, False),
 ], ids=["llama", "qwen2_moe", "qwen2_moe_expert_parallel", "gemma2", "gpt_oss", "gpt_oss_expert_parallel", "olmo2",
         "glm4_moe", "glm4_moe_expert_parallel", "deepseek_v3", "deepseek_v2_expert_parallel", "olmoe_expert_parallel",
         "granitemoe_expert_parallel", "minimax_m2", "cohere_qk_norm", "glm4", "exaone4",
@@ -144,7 +145,8 @@ def _drive(workers_execute, prompts: dict[str, list[int]], num_blocks: int, spec
         "gemma4_expert_parallel", "jais2", "solar_open_expert_parallel", "youtu",
         "afmoe_expert_parallel", "laguna_expert_parallel", "mellum",
         "hy_v3_expert_parallel", "mimo_v2_flash_expert_parallel", "granite_swa",
-        "granitemoe_swa_expert_parallel", "cohere2_moe_expert_parallel"])
+        "granitemoe_swa_expert_parallel", "cohere2_moe_expert_parallel",
+        "gpt_neo"])
 def test_tp2_over_gloo_equals_tp1(tmp_path, kind, overrides, expert_parallel):
     """Qwen2-MoE: each rank holds half of every expert (or, with expert parallelism, half of the
     experts whole) and half of the shared expert; one all-reduce per layer sums their outputs.
@@ -183,12 +185,12 @@ def test_tp2_over_gloo_equals_tp1(tmp_path, kind, overrides, expert_parallel):
 
     with two_tp_ranks(path, **kwargs) as (ranks, execute):
         # The single KV head is replicated, so a rank's block is as large as a TP=1 block (GPT-NeoX's,
-        # GPT-J's, this Falcon's and BLOOM's KV heads are more, split between the ranks: half as large;
+        # GPT-J's, this Falcon's, BLOOM's and GPT-Neo's KV heads are more, split between the ranks: half as large;
         # MiMo-V2-Flash's windowed layers have two, split, beside its full layers' one, replicated: a rank's
         # block is 4 of a TP=1 block's 6 head-rows).
         num_blocks = ray.get([w.determine_num_blocks.remote(4, None, 40 * tp1.bytes_per_block(4) + 1)
                               for w in ranks])
-        halved = ("gpt_neox", "gptj", "falcon", "bloom")
+        halved = ("gpt_neox", "gptj", "falcon", "bloom", "gpt_neo")
         assert num_blocks == ([80, 80] if kind in halved else [60, 60] if kind == "mimo_v2_flash" else [40, 40])
         ray.get([w.initialize_cache.remote(40, 4) for w in ranks])
         if expert_parallel:

@@ -46,6 +46,7 @@ from transformers import (
     GPT2Config,
     GPTBigCodeConfig,
     GPTJConfig,
+    GPTNeoConfig,
     GPTNeoXConfig,
     GptOssConfig,
     GraniteConfig,
@@ -391,6 +392,14 @@ def make_config(kind: str = "llama", **overrides):
         return GPT2Config(**_gpt)
     if kind == "gpt_bigcode":
         return GPTBigCodeConfig(**_gpt)
+    # GPT-Neo: global and local (a window of 8) layers in turn, unscaled scores, learned positions.
+    if kind == "gpt_neo":
+        return GPTNeoConfig(**{"vocab_size": kw["vocab_size"], "max_position_embeddings": kw["max_position_embeddings"],
+                               "hidden_size": kw["hidden_size"], "num_layers": kw["num_hidden_layers"],
+                               "num_heads": kw["num_attention_heads"], "window_size": 8,
+                               "attention_types": [[["global", "local"], kw["num_hidden_layers"] // 2]],
+                               "initializer_range": kw["initializer_range"], "bos_token_id": 1, "eos_token_id": 2,
+                               **{k: v for k, v in overrides.items() if k not in _SMALL}})
     if kind == "gptj":
         return GPTJConfig(**{"rotary_dim": 8, **_gpt})
     # Falcon: falcon-7b's layout (multi-query, attention beside the MLP on one LayerNorm) unless asked
