@@ -103,7 +103,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "YoutuForCausalLM", "AfmoeForCausalLM", "LagunaForCausalLM", "MellumForCausalLM",
                            "HYV3ForCausalLM", "MiMoV2FlashForCausalLM", "GraniteSWAForCausalLM",
                            "GraniteMoeSWAForCausalLM", "Cohere2MoeForCausalLM", "Lfm3ForCausalLM",
-                           "GPTNeoForCausalLM")
+                           "GPTNeoForCausalLM", "CodeGenForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -291,9 +291,9 @@ PARTIAL_ROTARY_ARCHITECTURES = ("LagunaForCausalLM", "MiMoV2FlashForCausalLM", "
                                 "Qwen3NextForCausalLM",
                                 "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "BambaForCausalLM", "Glm4ForCausalLM",
                                 "StableLmForCausalLM", "GlmForCausalLM", "NemotronForCausalLM", "PhiForCausalLM",
-                                "GPTNeoXForCausalLM", "GPTJForCausalLM", "PersimmonForCausalLM")
+                                "GPTNeoXForCausalLM", "GPTJForCausalLM", "PersimmonForCausalLM", "CodeGenForCausalLM")
 # The GPT family's configs (GPT-2's key names: n_embd, n_layer, ...): GPT-2, GPTBigCode, GPT-J.
-GPT_ARCHITECTURES = ("GPT2LMHeadModel", "GPTBigCodeForCausalLM", "GPTJForCausalLM")
+GPT_ARCHITECTURES = ("GPT2LMHeadModel", "GPTBigCodeForCausalLM", "GPTJForCausalLM", "CodeGenForCausalLM")
 # Those of learned position embeddings instead of RoPE.
 LEARNED_POSITION_ARCHITECTURES = ("GPT2LMHeadModel", "GPTBigCodeForCausalLM", "OPTForCausalLM", "GPTNeoForCausalLM")
 # MosaicML's MPT, under transformers' name and its own checkpoints' (MosaicML's code).
@@ -1682,6 +1682,8 @@ _GPT_DEFAULTS = {
                         "activation_function": "gelu_new", "tie_word_embeddings": True},
     "GPTBigCodeForCausalLM": {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12,
                               "activation_function": "gelu_pytorch_tanh", "tie_word_embeddings": True},
+    "CodeGenForCausalLM": {"vocab_size": 50400, "n_positions": 2048, "n_embd": 4096, "n_layer": 28, "n_head": 16,
+                           "rotary_dim": 64, "activation_function": "gelu_new", "tie_word_embeddings": False},
     "GPTJForCausalLM": {"vocab_size": 50400, "n_positions": 2048, "n_embd": 4096, "n_layer": 28, "n_head": 16,
                         "rotary_dim": 64, "activation_function": "gelu_new", "tie_word_embeddings": False},
 }
@@ -1692,14 +1694,16 @@ def _gpt_config(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     its defaults, an MLP 4 x n_embd wide where n_inner is unset, biases on every projection (GPT-J's
     attention has none), GPTBigCode's one KV head under multi_query, GPT-J's rotary_dim as a share of
     each head (a null one refused: transformers would rotate over the hidden width)."""
-    if arch == "GPTJForCausalLM" and "rotary_dim" in cfg and cfg["rotary_dim"] is None:
-        raise ValueError("GPTJForCausalLM with rotary_dim null (RoPE over the whole hidden width, as transformers "
+    if arch in ("GPTJForCausalLM", "CodeGenForCausalLM") and "rotary_dim" in cfg and cfg["rotary_dim"] is None:
+        raise ValueError(f"{arch} with rotary_dim null (RoPE over the whole hidden width, as transformers "
                          "reads it) is not served")
     cfg = {**_GPT_DEFAULTS[arch], "layer_norm_epsilon": 1e-5, **{k: v for k, v in cfg.items() if v is not None}}
     cfg = {**cfg, **{ours: cfg[theirs] for theirs, ours in _GPT_KEYS.items() if theirs in cfg}}
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     cfg.setdefault("intermediate_size", 4 * hidden)
-    if arch == "GPTJForCausalLM":
+    if arch == "CodeGenForCausalLM" and int(cfg["n_embd"]) % 4:
+        raise ValueError(f"CodeGenForCausalLM's hidden width ({cfg['n_embd']}) must split into its 4 q/k/v blocks")
+    if arch in ("GPTJForCausalLM", "CodeGenForCausalLM"):  # (CodeGen: GPT-J's layers)
         return {**cfg, "partial_rotary_factor": int(cfg["rotary_dim"]) / (hidden // heads),
                 "attention_bias": False, "mlp_bias": True, "num_key_value_heads": heads}
     if cfg.get("scale_attn_by_inverse_layer_idx"):

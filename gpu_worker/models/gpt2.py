@@ -17,6 +17,10 @@ without biases (``attn.attention.{q,k,v}_proj``; out_proj biased), Linear MLP pr
 scaled by head_dim ** -0.5, and every other layer (``attention_layers`` "local") attending through a
 window of ``window_size`` tokens.
 
+CodeGen (CodeGenForCausalLM: Salesforce's codegen-350M / 2B / 6B / 16B, mono, multi and nl): GPT-J's
+layers with q, k and v fused in ``qkv_proj`` in four blocks (the model-parallel layout it was trained
+in), each holding its quarter of the heads' q rows, then v's, then k's: split at load.
+
 GPT-J: attention and MLP side by side on one LayerNorm (as Phi's), RoPE over the first rotary_dim
 values of each head in GPT-J's pairs (reordered into halves at load, as the other paired families'),
 q, k, v and out projections without biases, an MLP with them (``fc_in``, ``fc_out``), an LM head
@@ -115,3 +119,25 @@ class GPTJForCausalLM(GPTCheckpoint, PairedRopeForCausalLM):
     model_class = GPTJModel
     lm_head_bias = True
     renames = ((".ln_1.", ".input_layernorm."), (".attn.out_proj.", ".self_attn.o_proj."), (".attn.", ".self_attn."))
+
+
+class CodeGenForCausalLM(GPTJForCausalLM):
+    fused = ".self_attn.qkv_proj."
+    skipped = (*_MASKS, ".attn.causal_mask")
+    # (The four model-parallel blocks of qkv_proj it was trained with.)
+    blocks = 4
+
+    def fused_qkv_parts(self, fused: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Rows of [4 blocks, (q, v, k), hidden / 4] as q's, k's and v's."""
+        width = self.config.num_attention_heads * self.config.head_dim
+        per_block = fused.view(self.blocks, 3, width // self.blocks, *fused.shape[1:])
+        q, v, k = (per_block[:, i].reshape(width, *fused.shape[1:]) for i in range(3))
+        return q, k, v
+
+    def lora_b_rows(self, module: str, b: torch.Tensor) -> torch.Tensor:
+        """A LoRA adapter's B: on the fused qkv_proj, its rows split as the weight's and the q and k rows'
+        rotary parts from GPT-J's pairs into halves, as the weight's were loaded."""
+        if module.endswith(".self_attn.qkv_proj"):
+            q, k, v = self.fused_qkv_parts(b)
+            return torch.cat((self.rotary_rows(q), self.rotary_rows(k), v))
+        return super().lora_b_rows(module, b)

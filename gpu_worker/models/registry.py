@@ -38,7 +38,13 @@ from gpu_worker.models.gemma3_vl import Gemma3VLForConditionalGeneration
 from gpu_worker.models.gemma3n import Gemma3nForCausalLM
 from gpu_worker.models.gemma4 import Gemma4ForCausalLM
 from gpu_worker.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
-from gpu_worker.models.gpt2 import GPT2LMHeadModel, GPTBigCodeForCausalLM, GPTJForCausalLM, GPTNeoForCausalLM
+from gpu_worker.models.gpt2 import (
+    CodeGenForCausalLM,
+    GPT2LMHeadModel,
+    GPTBigCodeForCausalLM,
+    GPTJForCausalLM,
+    GPTNeoForCausalLM,
+)
 from gpu_worker.models.gpt_oss import GptOssForCausalLM
 from gpu_worker.models.idefics3 import Idefics3ForConditionalGeneration
 from gpu_worker.models.internlm import InternLM2ForCausalLM, InternLM3ForCausalLM
@@ -214,6 +220,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Cohere2MoeForCausalLM": Cohere2MoeForCausalLM,
     "Lfm3ForCausalLM": Lfm3ForCausalLM,
     "GPTNeoForCausalLM": GPTNeoForCausalLM,
+    "CodeGenForCausalLM": CodeGenForCausalLM,
     "BertModel": BertModel,
     "RobertaModel": RobertaModel,
     "ModernBertModel": ModernBertModel,

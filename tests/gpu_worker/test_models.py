@@ -138,6 +138,9 @@ CASES = {
     "gpt_neo": ("gpt_neo", {}),
     "gpt_neo_four_layers_untied": ("gpt_neo", {"num_hidden_layers": 4, "tie_word_embeddings": False,
                                                "intermediate_size": 96}),
+    # CodeGen: GPT-J's layers with q/k/v fused in four blocks of (q, v, k); and tied.
+    "codegen": ("codegen", {}),
+    "codegen_tied": ("codegen", {"tie_word_embeddings": True}),
     "youtu": ("youtu", {}),
     "youtu_plain_query_halves_untied": ("youtu", {"q_lora_rank": None, "rope_interleave": False,
                                                   "tie_word_embeddings": False}),
@@ -652,7 +655,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "AfmoeForCausalLM", "LagunaForCausalLM", "MellumForCausalLM",
                                    "HYV3ForCausalLM", "MiMoV2FlashForCausalLM", "GraniteSWAForCausalLM",
                                    "GraniteMoeSWAForCausalLM", "Cohere2MoeForCausalLM", "Lfm3ForCausalLM",
-                                   "GPTNeoForCausalLM",
+                                   "GPTNeoForCausalLM", "CodeGenForCausalLM",
                                    "BertModel",
                                    "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
@@ -1927,6 +1930,23 @@ def test_gpt_neo_config_as_released():
     assert listed.sliding_window_layers == (True, False) * 6
     with pytest.raises(ValueError, match="attention_layers"):
         ModelConfig.from_dict({**released, "attention_types": [[["global", "local"], 5]]})
+
+
+def test_codegen_config_as_released():
+    """Salesforce/codegen-350M-mono's config (its keys as released): 20 layers of 16 heads of 64, RoPE over
+    32 values of each in GPT-J's pairs, attention beside the MLP on one LayerNorm, gelu_new, an untied
+    head with a bias; a hidden width that does not split into the four q/k/v blocks refused."""
+    released = {"architectures": ["CodeGenForCausalLM"], "activation_function": "gelu_new", "n_ctx": 2048,
+                "n_embd": 1024, "n_head": 16, "n_layer": 20, "n_positions": 2048, "rotary_dim": 32,
+                "vocab_size": 51200, "layer_norm_epsilon": 1e-05, "tie_word_embeddings": False,
+                "bos_token_id": 1, "eos_token_id": 50256}
+    config = ModelConfig.from_dict(released)
+    assert (config.num_hidden_layers, config.num_attention_heads, config.head_dim) == (20, 16, 64)
+    assert config.rotary_dim == 32 and config.intermediate_size == 4096 and config.hidden_act == "gelu_new"
+    assert not config.qkv_bias and config.mlp_bias and not config.tie_word_embeddings
+    assert config.max_context_len == 2048 and config.eos_token_ids == (50256,)
+    with pytest.raises(ValueError, match="4 q/k/v blocks"):
+        ModelConfig.from_dict({**released, "n_embd": 1026, "n_head": 18})
 
 
 def test_dbrx_config_as_released():

@@ -133,6 +133,7 @@ def _drive(workers_execute, prompts: dict[str, list[int]], num_blocks: int, spec
     ("granitemoe_swa", {}, True),
     ("cohere2_moe", {}, True),
     ("gpt_neo", {}, False),
+    ("codegen", {}, False),
 ], ids=["llama", "qwen2_moe", "qwen2_moe_expert_parallel", "gemma2", "gpt_oss", "gpt_oss_expert_parallel", "olmo2",
         "glm4_moe", "glm4_moe_expert_parallel", "deepseek_v3", "deepseek_v2_expert_parallel", "olmoe_expert_parallel",
         "granitemoe_expert_parallel", "minimax_m2", "cohere_qk_norm", "glm4", "exaone4",
@@ -146,7 +147,7 @@ def _drive(workers_execute, prompts: dict[str, list[int]], num_blocks: int, spec
         "afmoe_expert_parallel", "laguna_expert_parallel", "mellum",
         "hy_v3_expert_parallel", "mimo_v2_flash_expert_parallel", "granite_swa",
         "granitemoe_swa_expert_parallel", "cohere2_moe_expert_parallel",
-        "gpt_neo"])
+        "gpt_neo", "codegen"])
 def test_tp2_over_gloo_equals_tp1(tmp_path, kind, overrides, expert_parallel):
     """Qwen2-MoE: each rank holds half of every expert (or, with expert parallelism, half of the
     experts whole) and half of the shared expert; one all-reduce per layer sums their outputs.
@@ -190,7 +191,7 @@ def test_tp2_over_gloo_equals_tp1(tmp_path, kind, overrides, expert_parallel):
         # block is 4 of a TP=1 block's 6 head-rows).
         num_blocks = ray.get([w.determine_num_blocks.remote(4, None, 40 * tp1.bytes_per_block(4) + 1)
                               for w in ranks])
-        halved = ("gpt_neox", "gptj", "falcon", "bloom", "gpt_neo")
+        halved = ("gpt_neox", "gptj", "falcon", "bloom", "gpt_neo", "codegen")
         assert num_blocks == ([80, 80] if kind in halved else [60, 60] if kind == "mimo_v2_flash" else [40, 40])
         ray.get([w.initialize_cache.remote(40, 4) for w in ranks])
         if expert_parallel:

@@ -17,6 +17,7 @@ from transformers import (
     AutoModelForCausalLM,
     BambaConfig,
     BloomConfig,
+    CodeGenConfig,
     Cohere2Config,
     Cohere2MoeConfig,
     CohereConfig,
@@ -400,6 +401,10 @@ def make_config(kind: str = "llama", **overrides):
                                "attention_types": [[["global", "local"], kw["num_hidden_layers"] // 2]],
                                "initializer_range": kw["initializer_range"], "bos_token_id": 1, "eos_token_id": 2,
                                **{k: v for k, v in overrides.items() if k not in _SMALL}})
+    # CodeGen: GPT-J's layers, q/k/v fused in four blocks of (q, v, k); 8 heads of 8 (two a block), RoPE
+    # over 4 values of each.
+    if kind == "codegen":
+        return CodeGenConfig(**{"rotary_dim": 4, **_gpt, "num_attention_heads": 8})
     if kind == "gptj":
         return GPTJConfig(**{"rotary_dim": 8, **_gpt})
     # Falcon: falcon-7b's layout (multi-query, attention beside the MLP on one LayerNorm) unless asked
