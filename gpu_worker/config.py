@@ -1269,7 +1269,8 @@ def _lfm3_config(cfg: dict[str, Any]) -> dict[str, Any]:
     base 1,000,000; the windowed layers' plain, 10,000)."""
     cfg = {"vocab_size": 128_000, "hidden_size": 2048, "intermediate_size": 7680, "num_hidden_layers": 24,
            "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128, "max_position_embeddings": 128_000,
-           "conv_L_cache": 7, "sliding_window": 256, **{k: v for k, v in cfg.items() if v is not None}}
+           "conv_L_cache": 7, "sliding_window": 256, "eos_token_id": 124_900,
+           **{k: v for k, v in cfg.items() if v is not None}}
     num_layers = int(cfg["num_hidden_layers"])
     if not isinstance(cfg.get("layer_types"), list):
         cfg["layer_types"] = ["full_attention" if i % 4 == 2 else "sliding_attention" if i % 4 == 0 and i > 0
@@ -1278,12 +1279,23 @@ def _lfm3_config(cfg: dict[str, Any]) -> dict[str, Any]:
         cfg["rope_parameters"] = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                                   "full_attention": {"rope_type": "proportional", "rope_theta": 1_000_000.0,
                                                      "partial_rotary_factor": 0.5}}
+    # (A kind without its own base takes the config's rope_theta, else 1,000,000; without its own share,
+    # the config's partial_rotary_factor where stated, as transformers fills them in.)
+    top = {"rope_theta": float(cfg.get("rope_theta") or 1_000_000.0),
+           **({"partial_rotary_factor": cfg["partial_rotary_factor"]} if "partial_rotary_factor" in cfg else {})}
+    cfg["rope_parameters"] = {kind: {**top, **value} if isinstance(value, dict) else value
+                              for kind, value in cfg["rope_parameters"].items()}
+    cfg.pop("partial_rotary_factor", None)  # (the kinds' own now: the full layers' proportional RoPE reads it)
+    local = cfg["rope_parameters"].get("sliding_attention")
+    if isinstance(local, dict) and float(local.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("Lfm3ForCausalLM's windowed layers turn whole heads (transformers' plain RoPE there cannot "
+                         f"turn a share), got partial_rotary_factor {local['partial_rotary_factor']}")
     missing = sorted({kind for kind in cfg["layer_types"] if kind != "conv"
                       and not isinstance(cfg["rope_parameters"].get(kind), dict)})
     if missing:
         raise ValueError(f"Lfm3ForCausalLM's rope_parameters must give one dict per attention kind, got none for "
                          f"{missing}")
-    return {**cfg, "rms_norm_eps": float(cfg.get("norm_eps", 1e-5)),
+    return {**cfg, "rms_norm_eps": float(cfg.get("norm_eps", cfg.get("rms_norm_eps", 1e-5))),
             "tie_word_embeddings": bool(cfg.get("tie_embedding", cfg.get("tie_word_embeddings", True)))}
 
 
@@ -1469,7 +1481,9 @@ def _granite_swa_config(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     local = next(iter(by_kind.get("sliding_attention", {0.0})))
     theta = full or local or base
     two_bases = bool(full and local and full != local)
-    scaled = (params.get("rope_type") or (cfg.get("rope_scaling") or {}).get("rope_type") or "default") != "default"
+    legacy = cfg.get("rope_scaling") or {}
+    scaled = (params.get("rope_type") or params.get("type") or legacy.get("rope_type") or legacy.get("type")
+              or "default") != "default"
     if two_bases and (not cfg.get("sliding_window") or scaled):
         raise ValueError(f"{arch}'s windowed layers' own RoPE base needs a sliding_window and plain RoPE")
     rope = {**params, "rope_theta": theta} if params else None
@@ -1508,12 +1522,13 @@ def _mimo_v2_flash_config(cfg: dict[str, Any]) -> dict[str, Any]:
     if missing:
         raise ValueError(f"MiMoV2FlashForCausalLM's rope_parameters must give one dict per layer kind, got none "
                          f"for {missing}")
-    # (A kind's share: its own, else the config's top-level one, else 0.334 for plain RoPE and whole heads
-    # for a scaled one, as transformers' default and scaled RoPE functions read it.)
+    # (A kind's share: its own, else 0.334 for plain RoPE, and for a scaled one the config's top-level
+    # share where stated, else whole heads, as transformers' default and scaled RoPE functions read it.)
     def share(value: dict[str, Any]) -> float:
+        if (value.get("rope_type") or value.get("type") or "default") == "default":
+            return float(value.get("partial_rotary_factor", 0.334))
         top = cfg.get("partial_rotary_factor")
-        plain = (value.get("rope_type") or value.get("type") or "default") == "default"
-        return float(value.get("partial_rotary_factor", top if top is not None else 0.334 if plain else 1.0))
+        return float(value.get("partial_rotary_factor", 1.0 if top is None else top))
 
     params = {kind: {**value, "partial_rotary_factor": share(value)} for kind, value in params.items()}
     window = cfg.get("sliding_window")

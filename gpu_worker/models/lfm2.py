@@ -43,14 +43,23 @@ class Lfm2Model(LlamaModel):
 
 class Lfm2ForCausalLM(LlamaForCausalLM):
     model_class = Lfm2Model
+    renamed = _RENAMED
+
+    def _ours(self, name: str) -> str:
+        if ".conv." in name:  # (model.layers.N.conv.{in_proj, conv, out_proj})
+            name = name.replace(".conv.", ".mamba.", 1)
+        for theirs, ours in self.renamed:
+            name = name.replace(theirs, ours)
+        return name
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         for name, tensor in weights:
-            if ".conv." in name:  # (model.layers.N.conv.{in_proj, conv, out_proj})
-                name = name.replace(".conv.", ".mamba.", 1)
-            for theirs, ours in _RENAMED:
-                name = name.replace(theirs, ours)
-            yield name, tensor
+            yield self._ours(name), tensor
+
+    def lora_module_name(self, module: str) -> str:
+        """An adapter's modules as PEFT names them on transformers' model (feed_forward.w1: our
+        mlp.gate_proj, ...), read as the checkpoint's tensors are."""
+        return self._ours(f"{module}.")[:-1]
 
 
 class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
@@ -109,7 +118,5 @@ class Lfm3ForCausalLM(Lfm2ForCausalLM):
     a sigmoid gate per head on the attention's output, and four norms a layer (use_sandwich_norm)."""
 
     model_class = Lfm3Model
-
-    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
-        return super().checkpoint_tensors((name.replace(".self_attn.g_proj.", ".self_attn.gate_proj."), tensor)
-                                          for name, tensor in weights)
+    # (transformers' name of the attention's gate, g_proj, read as the released gate_proj)
+    renamed = ((".self_attn.g_proj.", ".self_attn.gate_proj."), *_RENAMED)

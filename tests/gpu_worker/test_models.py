@@ -123,13 +123,13 @@ CASES = {
     # Cohere2-MoE: a dense prefix layer rotating, windowed layers rotating and a full one without
     # positions (RoPE in pairs), the softmax over the top-k logits, a shared expert averaged in,
     # LayerNorms; sigmoid weights unnormalised, the shared expert summed, RMSNorms; no shared expert,
-    # the prefix layer without positions (its pattern 2), one KV head, untied.
+    # two prefix layers, the second full and without positions (their pattern 2), one KV head, untied.
     "cohere2_moe": ("cohere2_moe", {}),
     "cohere2_moe_sigmoid_sum_rmsnorm": ("cohere2_moe", {"expert_selection_fn": "sigmoid", "norm_topk_prob": False,
                                                         "shared_expert_combination_strategy": "sum",
                                                         "rms_norm_eps": 1e-6}),
     "cohere2_moe_unshared_prefix_pattern_mqa": ("cohere2_moe", {"expert_selection_fn": "sigmoid",
-                                                                "num_shared_experts": 0,
+                                                                "num_shared_experts": 0, "first_k_dense_replace": 2,
                                                                 "prefix_dense_sliding_window_pattern": 2,
                                                                 "num_key_value_heads": 1,
                                                                 "tie_word_embeddings": False}),
@@ -1838,6 +1838,13 @@ def test_mimo_v2_flash_config_as_released():
     assert not config.o_proj_bias and config.num_attention_layers == 48
     with pytest.raises(ValueError, match="need a sliding_window"):
         ModelConfig.from_dict({**released, "sliding_window_size": None, "sliding_window": None})
+    # (A plain kind without a share turns 0.334 of each head whatever the top-level share; a scaled one
+    # takes the top-level share, else whole heads.)
+    shares = ModelConfig.from_dict({**released, "partial_rotary_factor": 0.5, "rope_parameters": {
+        "full_attention": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 65536,
+                           "rope_theta": 5_000_000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}})
+    assert shares.rotary_dim == 96 and shares.local_rotary_dim == 64
 
 
 def test_granite_swa_configs_as_released():
@@ -1859,6 +1866,10 @@ def test_granite_swa_configs_as_released():
     assert uniform.rope_theta == 50000.0 and all(uniform.rope_layers) and uniform.local_rope_theta is None
     with pytest.raises(ValueError, match="one RoPE base per layer kind"):
         ModelConfig.from_dict({**released, "layer_rope_theta": [0, 10000, 20000, 10000, 0, 10000, 10000, 10000]})
+    with pytest.raises(ValueError, match="plain RoPE"):  # (YaRN on every base, in its older spelling)
+        ModelConfig.from_dict({**released, "layer_rope_theta": [500000, 10000, 10000, 10000] * 2,
+                               "rope_scaling": {"type": "yarn", "factor": 2.0,
+                                                "original_max_position_embeddings": 4096}})
     moe = ModelConfig.from_dict({**released, "architectures": ["GraniteMoeSWAForCausalLM"], "num_local_experts": 32,
                                  "num_experts_per_tok": 8, "intermediate_size": 512, "shared_intermediate_size": 1024})
     assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size) == (32, 8, 512)
@@ -1907,7 +1918,20 @@ def test_lfm3_config_as_released():
     assert config.rope_theta == 1_000_000.0 and config.local_rope_theta == 10_000.0 and config.rotary_dim == 128
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (16, 4, 128)
     assert config.intermediate_size == 7680 and config.qk_norm and config.tie_word_embeddings
-    assert config.num_attention_layers == 11
+    assert config.num_attention_layers == 11 and config.eos_token_ids == (124_900,)
+    # (Kinds without a base of their own take the config's rope_theta, without a share its share.)
+    bare = ModelConfig.from_dict({"architectures": ["Lfm3ForCausalLM"], "rope_theta": 500_000.0, "rms_norm_eps": 1e-6,
+                                  "rope_parameters": {"sliding_attention": {"rope_type": "default",
+                                                                            "partial_rotary_factor": 1.0},
+                                                      "full_attention": {"rope_type": "proportional"}},
+                                  "partial_rotary_factor": 0.25})
+    assert bare.rope_theta == bare.local_rope_theta == 500_000.0 and bare.rms_norm_eps == 1e-6
+    assert bare.rope_scaling == {"rope_type": "proportional", "partial_rotary_factor": 0.25}
+    assert bare.rotary_dim == 128 and bare.local_rotary_dim == 0  # (the full layers' zero frequencies past it)
+    with pytest.raises(ValueError, match="windowed layers turn whole heads"):
+        ModelConfig.from_dict({"architectures": ["Lfm3ForCausalLM"], "partial_rotary_factor": 0.5,
+                               "rope_parameters": {"sliding_attention": {"rope_type": "default"},
+                                                   "full_attention": {"rope_type": "proportional"}}})
 
 
 def test_gpt_neo_config_as_released():
