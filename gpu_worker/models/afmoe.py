@@ -25,6 +25,7 @@ from gpu_worker.layers.layernorm import RMSNorm
 from gpu_worker.layers.linear import ColumnParallelLinear
 from gpu_worker.layers.weight_utils import WeightLike
 from gpu_worker.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from gpu_worker.models.renamed_checkpoint import rename_parts
 
 
 class GatedOutputAttention(LlamaAttention):
@@ -51,10 +52,8 @@ class AfmoeDecoderLayer(LlamaDecoderLayer):
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, residual) in and out, as Llama's layer; each sublayer's output is normed before its
         residual add (fused into the next norm)."""
-        hidden, residual = self._attention(rope, hidden, residual, meta)
-        hidden = self.post_attention_layernorm.forward(hidden)
-        hidden, residual = self.pre_mlp_layernorm.forward(hidden, residual)
-        return self.post_mlp_layernorm.forward(self.mlp.forward(hidden)), residual
+        return self.sandwich_forward(rope, hidden, residual, meta, self.post_attention_layernorm,
+                                     self.pre_mlp_layernorm, self.post_mlp_layernorm)
 
 
 class AfmoeModel(LlamaModel):
@@ -68,7 +67,4 @@ class AfmoeForCausalLM(LlamaForCausalLM):
     _RENAMED = ((".mlp.router.gate.", ".mlp.gate."), (".mlp.expert_bias", ".mlp.gate.e_score_correction_bias"))
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
-        for name, tensor in weights:
-            for theirs, ours in self._RENAMED:
-                name = name.replace(theirs, ours)
-            yield name, tensor
+        return ((rename_parts(name, self._RENAMED), tensor) for name, tensor in weights)

@@ -46,10 +46,8 @@ class GemmaDecoderLayer(LlamaDecoderLayer):
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         if self.pre_feedforward_layernorm is None:
             return super().forward(rope, hidden, residual, meta)
-        hidden, residual = self._attention(rope, hidden, residual, meta)
-        hidden = self.post_attention_layernorm.forward(hidden)
-        hidden, residual = self.pre_feedforward_layernorm.forward(hidden, residual)
-        return self.post_feedforward_layernorm.forward(self.mlp.forward(hidden)), residual
+        return self.sandwich_forward(rope, hidden, residual, meta, self.post_attention_layernorm,
+                                     self.pre_feedforward_layernorm, self.post_feedforward_layernorm)
 
 
 class GemmaModel(nn.Module):

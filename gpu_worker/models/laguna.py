@@ -29,6 +29,7 @@ from gpu_worker.layers.layernorm import RMSNorm
 from gpu_worker.layers.linear import ColumnParallelLinear
 from gpu_worker.layers.weight_utils import WeightLike
 from gpu_worker.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from gpu_worker.models.renamed_checkpoint import rename_parts
 
 
 class SoftplusGatedAttention(LlamaAttention):
@@ -68,10 +69,7 @@ class LagunaForCausalLM(LlamaForCausalLM):
                 (".mlp.shared_expert.", ".mlp.shared_experts."))
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
-        for name, tensor in weights:
-            for theirs, ours in self._RENAMED:
-                name = name.replace(theirs, ours)
-            yield name, tensor
+        return ((rename_parts(name, self._RENAMED), tensor) for name, tensor in weights)
 
 
 class MellumForCausalLM(LlamaForCausalLM):

@@ -23,6 +23,7 @@ from gpu_worker.layers.linear import ColumnParallelLinear
 from gpu_worker.layers.short_conv import ShortConv
 from gpu_worker.layers.weight_utils import WeightLike
 from gpu_worker.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from gpu_worker.models.renamed_checkpoint import rename_parts
 
 # transformers' names -> ours (the layer's own ``conv`` first: its convolution is named ``conv`` too).
 _RENAMED = ((".self_attn.out_proj.", ".self_attn.o_proj."), (".self_attn.q_layernorm.", ".self_attn.q_norm."),
@@ -48,9 +49,7 @@ class Lfm2ForCausalLM(LlamaForCausalLM):
     def _ours(self, name: str) -> str:
         if ".conv." in name:  # (model.layers.N.conv.{in_proj, conv, out_proj})
             name = name.replace(".conv.", ".mamba.", 1)
-        for theirs, ours in self.renamed:
-            name = name.replace(theirs, ours)
-        return name
+        return rename_parts(name, self.renamed)
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         for name, tensor in weights:
@@ -101,10 +100,8 @@ class Lfm3DecoderLayer(Lfm2DecoderLayer):
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         if self.post_operator_norm is None:
             return super().forward(rope, hidden, residual, meta)
-        hidden, residual = self._attention(rope, hidden, residual, meta)
-        hidden = self.post_operator_norm.forward(hidden)
-        hidden, residual = self.post_attention_layernorm.forward(hidden, residual)
-        return self.post_ffn_norm.forward(self.mlp.forward(hidden)), residual
+        return self.sandwich_forward(rope, hidden, residual, meta, self.post_operator_norm,
+                                     self.post_attention_layernorm, self.post_ffn_norm)
 
 
 class Lfm3Model(LlamaModel):

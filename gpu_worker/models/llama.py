@@ -36,6 +36,7 @@ from gpu_worker.layers.linear import (
 from gpu_worker.layers.mamba import MambaMixer2
 from gpu_worker.layers.rotary import RotaryEmbedding, llama_4_query_scale
 from gpu_worker.layers.weight_utils import WeightLike, gate_and_up
+from gpu_worker.models.renamed_checkpoint import rename_parts
 
 
 class LlamaAttention(nn.Module):
@@ -257,6 +258,16 @@ class LlamaDecoderLayer(nn.Module):
             normed, residual = self.input_layernorm.forward(hidden, residual)
         mlp_input = normed if self.post_attention_layernorm is None else self.post_attention_layernorm.forward(residual)
         return self.self_attn.forward(rope, normed, meta) + self.mlp.forward(mlp_input), residual
+
+    def sandwich_forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, residual: torch.Tensor | None,
+                         meta: AttentionMetadata, after_mixer: nn.Module, before_mlp: nn.Module,
+                         after_mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer with four norms (Gemma 2 / 3's, AFMoE's, LFM3's): the token mixer's output normed by
+        ``after_mixer`` before its residual add, the MLP's input by ``before_mlp`` (which adds the
+        residual), its output by ``after_mlp``. (hidden, residual) in and out, as forward's."""
+        hidden, residual = self._attention(rope, hidden, residual, meta)
+        hidden, residual = before_mlp.forward(after_mixer.forward(hidden), residual)
+        return after_mlp.forward(self.mlp.forward(hidden)), residual
 
     def _attention(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, residual: torch.Tensor | None,
                    meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -779,10 +790,7 @@ class HYV3ForCausalLM(SkipsMtpLayers, LlamaForCausalLM):
                 (".mlp.shared_mlp.", ".mlp.shared_experts."))
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
-        for name, tensor in weights:
-            for theirs, ours in self._RENAMED:
-                name = name.replace(theirs, ours)
-            yield name, tensor
+        return ((rename_parts(name, self._RENAMED), tensor) for name, tensor in weights)
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
