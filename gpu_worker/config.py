@@ -103,7 +103,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "YoutuForCausalLM", "AfmoeForCausalLM", "LagunaForCausalLM", "MellumForCausalLM",
                            "HYV3ForCausalLM", "MiMoV2FlashForCausalLM", "GraniteSWAForCausalLM",
                            "GraniteMoeSWAForCausalLM", "Cohere2MoeForCausalLM", "Lfm3ForCausalLM",
-                           "GPTNeoForCausalLM", "CodeGenForCausalLM")
+                           "GPTNeoForCausalLM", "CodeGenForCausalLM", "OlmoHybridForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -1198,7 +1198,7 @@ def _nemotron_h_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
 def _qwen3_next_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """Qwen3-Next's (and Qwen3.5's) layer kinds (layer_types, else every full_attention_interval-th
     layer full, as transformers reads it) and its Gated DeltaNet geometry."""
-    if arch not in QWEN3_NEXT_FAMILY:
+    if arch not in (*QWEN3_NEXT_FAMILY, "OlmoHybridForCausalLM"):
         return {}
     kinds = cfg.get("layer_types")
     if kinds is None:
@@ -1214,8 +1214,42 @@ def _qwen3_next_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[
                                          head_k_dim=int(cfg["linear_key_head_dim"]),
                                          head_v_dim=int(cfg["linear_value_head_dim"]),
                                          conv_kernel=int(cfg["linear_conv_kernel_dim"]),
-                                         split_projections=arch != "Qwen3NextForCausalLM"),
-            "mamba_layers": tuple(kind == "linear_attention" for kind in kinds)}
+                                         split_projections=arch != "Qwen3NextForCausalLM",
+                                         beta_scale=2.0 if cfg.get("linear_allow_neg_eigval") else 1.0),
+            "mamba_layers": tuple(kind == "linear_attention" for kind in kinds),
+            # (OLMo Hybrid's attention without positions where its RoPE base is null)
+            **({"rope_layers": (False,) * num_layers} if cfg.get("olmo_hybrid_nope") else {})}
+
+
+def _olmo_hybrid_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """OLMo Hybrid's config as transformers' OlmoHybridConfig reads it: its defaults for the keys a config
+    leaves out; where layer_types is absent, every fourth layer full attention (the last where there is
+    none), the others linear attention; the linear attention's heads as many as the attention's, keys
+    0.75 x hidden_size / heads wide, values twice that; a null RoPE base (the released checkpoints')
+    read as attention without positions (``olmo_hybrid_nope``)."""
+    cfg = {"vocab_size": 100352, "hidden_size": 3840, "intermediate_size": 11008, "num_hidden_layers": 32,
+           "num_attention_heads": 30, "max_position_embeddings": 65536, "rms_norm_eps": 1e-6, "eos_token_id": 100257,
+           "linear_conv_kernel_dim": 4, "linear_allow_neg_eigval": True,
+           **{k: v for k, v in cfg.items() if v is not None or k in ("rope_parameters", "rope_theta")}}
+    num_layers, heads = int(cfg["num_hidden_layers"]), int(cfg["num_attention_heads"])
+    if not isinstance(cfg.get("layer_types"), list):
+        kinds = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(num_layers)]
+        if "full_attention" not in kinds:
+            kinds[-1] = "full_attention"
+        cfg["layer_types"] = kinds
+    if "linear_attention" not in cfg["layer_types"] or "full_attention" not in cfg["layer_types"]:
+        raise ValueError("OlmoHybridForCausalLM needs both linear_attention and full_attention layers, as "
+                         "transformers does")
+    k_heads = int(cfg.get("linear_num_key_heads") or heads)
+    key_dim = int(cfg.get("linear_key_head_dim") or int(0.75 * int(cfg["hidden_size"]) / k_heads))
+    params = cfg.get("rope_parameters")
+    nope = (isinstance(params, dict) and "rope_theta" in params and params["rope_theta"] is None) \
+        or ("rope_theta" in cfg and cfg["rope_theta"] is None and not isinstance(params, dict))
+    rope = {"rope_type": "default", "rope_theta": 10000.0} if nope or not isinstance(params, dict) else params
+    return {**{k: v for k, v in cfg.items() if k != "rope_theta" or v is not None}, "rope_parameters": rope,
+            "olmo_hybrid_nope": nope, "linear_num_key_heads": k_heads,
+            "linear_num_value_heads": int(cfg.get("linear_num_value_heads") or heads), "linear_key_head_dim": key_dim,
+            "linear_value_head_dim": int(cfg.get("linear_value_head_dim") or 2 * key_dim)}
 
 
 def _bamba_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -2942,6 +2976,8 @@ class ModelConfig:
             cfg = _mimo_v2_flash_config(cfg)
         if arch in GRANITE_SWA_ARCHITECTURES:
             cfg = _granite_swa_config(arch, cfg)
+        if arch == "OlmoHybridForCausalLM":
+            cfg = _olmo_hybrid_config(cfg)
         if arch == "MiniCPMForCausalLM":
             cfg = _minicpm_config(cfg)
         if arch in ("InternLM2ForCausalLM", "InternLM3ForCausalLM"):

@@ -119,6 +119,8 @@ class GatedDeltaNetConfig(_RecurrentState):
     # Qwen3.5's projections: q, k and v in one (each whole), z, b and a apart; Qwen3-Next's: in_proj_qkvz
     # and in_proj_ba, their rows grouped by key head.
     split_projections: bool = False
+    # OLMo Hybrid's allow_neg_eigval: the write strength beta is twice the sigmoid (in [0, 2]).
+    beta_scale: float = 1.0
 
     @property
     def key_dim(self) -> int:

@@ -138,6 +138,8 @@ class GatedDeltaNet(nn.Module):
         k = _l2_normed(k.reshape(tokens, m.num_k_heads, m.head_k_dim)).repeat_interleave(per_key, dim=1)
         v = v.reshape(tokens, m.num_v_heads, m.head_v_dim)
         beta = torch.sigmoid(b.float())
+        if m.beta_scale != 1.0:
+            beta = beta * m.beta_scale
         g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
         out = torch.empty_like(v)
         if step.decode_tokens is not None:

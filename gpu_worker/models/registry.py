@@ -106,6 +106,7 @@ from gpu_worker.models.olmo2 import (
     OlmoeForCausalLM,
     OlmoForCausalLM,
 )
+from gpu_worker.models.olmo_hybrid import OlmoHybridForCausalLM
 from gpu_worker.models.opt import OPTForCausalLM
 from gpu_worker.models.paired_rope import Ernie4_5_MoeForCausalLM, Ernie4_5ForCausalLM, HeliumForCausalLM
 from gpu_worker.models.pixtral import pixtral_class
@@ -221,6 +222,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Lfm3ForCausalLM": Lfm3ForCausalLM,
     "GPTNeoForCausalLM": GPTNeoForCausalLM,
     "CodeGenForCausalLM": CodeGenForCausalLM,
+    "OlmoHybridForCausalLM": OlmoHybridForCausalLM,
     "BertModel": BertModel,
     "RobertaModel": RobertaModel,
     "ModernBertModel": ModernBertModel,

@@ -28,7 +28,10 @@ KINDS = ["llama", "qwen2", "qwen3", "phi3", "mistral", "mixtral", "qwen2_moe", "
          "mimo_v2_flash", "granite_swa", "granitemoe_swa", "cohere2_moe", "gpt_neo", "codegen"]
 # (Mistral's window of 8 keys is crossed by most prompts; Gemma 3 alternates windowed and full layers.)
 OVERRIDES = {"mistral": {"sliding_window": 8}, "cohere": {"use_qk_norm": True},
-             "stablelm": {"use_parallel_residual": True, "qk_layernorm": True}}
+             "stablelm": {"use_parallel_residual": True, "qk_layernorm": True},
+             # (OLMo Hybrid's doubled write strength makes the tiny model's bf16 touchy: transformers' own bf16
+             # is 0.63 nats off its fp32 at worst with the usual weights, 0.20 with these)
+             "olmo_hybrid": {"initializer_range": 0.1}}
 # Token-id prompts (the tiny models' vocabulary is 256): two share a 12-token prefix (three blocks).
 _PREFIX = [(7 * i + 3) % 256 for i in range(12)]
 PROMPTS = [_PREFIX + [5, 9], _PREFIX + [40, 41, 42], [(11 * i + 5) % 256 for i in range(45)], [17, 18],
@@ -113,7 +116,7 @@ def test_gemma3n_and_gemma4_refuse_what_their_layers_cannot_follow(tmp_path, kin
 
 @pytest.mark.parametrize("kind", ["granitemoehybrid", "bamba", "nemotron_h", "nemotron_h_moe", "mamba2",
                                   "qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe", "lfm3", "falcon_h1",
-                                  "mamba",
+                                  "mamba", "olmo_hybrid",
                                   "falcon_mamba", "jamba", "zamba2"])
 def test_mamba_hybrids_recompute_what_a_prefix_cache_would_skip(tmp_path, kind):
     """Granite 4.0-H, Bamba and Nemotron-H (Mamba-2 layers beside attention), a pure Mamba-2 model, and
@@ -152,7 +155,7 @@ def test_granite_4_hybrid_refuses_what_its_states_cannot_follow(tmp_path, flags,
 
 @pytest.mark.parametrize("kind", [*KINDS, "granitemoehybrid", "bamba", "nemotron_h", "nemotron_h_moe", "qwen3_next",
                                   "qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe", "lfm3", "falcon_h1", "falcon_mamba",
-                                  "jamba",
+                                  "jamba", "olmo_hybrid",
                                   "zamba2"])
 def test_bf16_logprobs_are_transformers_fp32_ones_within_bf16_precision(tmp_path, kind):
     """Each prompt token's log-probability (prefill) and each greedy token's (decode)."""

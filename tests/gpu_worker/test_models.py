@@ -141,6 +141,15 @@ CASES = {
     # CodeGen: GPT-J's layers with q/k/v fused in four blocks of (q, v, k); and tied.
     "codegen": ("codegen", {}),
     "codegen_tied": ("codegen", {"tie_word_embeddings": True}),
+    # OLMo Hybrid (saved with its released names: q/k/v convolutions apart, its own norm names): Gated
+    # DeltaNet layers (2 key heads, 4 value heads, beta doubled) and an OLMo 2 attention layer with RoPE;
+    # without positions (a null base), beta not doubled, tied; transformers' default heads and layer kinds.
+    "olmo_hybrid": ("olmo_hybrid", {}),
+    "olmo_hybrid_nope_unscaled_tied": ("olmo_hybrid", {"rope_parameters": {"rope_type": "default", "rope_theta": None},
+                                                       "linear_allow_neg_eigval": False, "tie_word_embeddings": True}),
+    "olmo_hybrid_defaults": ("olmo_hybrid", {"linear_num_key_heads": None, "linear_num_value_heads": None,
+                                             "linear_key_head_dim": None, "linear_value_head_dim": None,
+                                             "layer_types": None, "num_hidden_layers": 5}),
     "youtu": ("youtu", {}),
     "youtu_plain_query_halves_untied": ("youtu", {"q_lora_rank": None, "rope_interleave": False,
                                                   "tie_word_embeddings": False}),
@@ -655,7 +664,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "AfmoeForCausalLM", "LagunaForCausalLM", "MellumForCausalLM",
                                    "HYV3ForCausalLM", "MiMoV2FlashForCausalLM", "GraniteSWAForCausalLM",
                                    "GraniteMoeSWAForCausalLM", "Cohere2MoeForCausalLM", "Lfm3ForCausalLM",
-                                   "GPTNeoForCausalLM", "CodeGenForCausalLM",
+                                   "GPTNeoForCausalLM", "CodeGenForCausalLM", "OlmoHybridForCausalLM",
                                    "BertModel",
                                    "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
@@ -1971,6 +1980,45 @@ def test_codegen_config_as_released():
     assert config.max_context_len == 2048 and config.eos_token_ids == (50256,)
     with pytest.raises(ValueError, match="4 q/k/v blocks"):
         ModelConfig.from_dict({**released, "n_embd": 1026, "n_head": 18})
+
+
+def test_olmo_hybrid_config_as_released():
+    """OLMo Hybrid's config as transformers' OlmoHybridConfig describes it: 32 layers, every fourth full
+    attention (30 heads of 128), the others Gated DeltaNet (30 key and value heads, keys 96 wide, values
+    192, beta doubled, a 4-tap convolution); its released null RoPE base read as attention without
+    positions; layer kinds without both kinds refused."""
+    released = {"architectures": ["OlmoHybridForCausalLM"], "rope_parameters": {"rope_type": "default",
+                                                                                "rope_theta": None}}
+    config = ModelConfig.from_dict(released)
+    assert config.mamba_layers[:4] == (True, True, True, False) and config.num_attention_layers == 8
+    m = config.mamba
+    assert (m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim, m.conv_kernel) == (30, 30, 96, 192, 4)
+    assert m.beta_scale == 2.0 and m.split_projections and not any(config.rope_layers)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (30, 30, 128)
+    assert config.max_context_len == 65536 and config.rms_norm_eps == 1e-6 and config.eos_token_ids == (100257,)
+    rotating = ModelConfig.from_dict({**released, "rope_parameters": None})  # (transformers' default base)
+    assert not rotating.rope_layers and rotating.rope_theta == 10000.0
+    with pytest.raises(ValueError, match="both linear_attention and full_attention"):
+        ModelConfig.from_dict({**released, "num_hidden_layers": 2, "layer_types": ["linear_attention"] * 2})
+
+
+def test_olmo_hybrid_in_transformers_own_names_loads_too(tmp_path):
+    """Saved with transformers' own names (one conv1d, input_layernorm) rather than the released ones
+    (q_conv1d / k_conv1d / v_conv1d, attention_layer_norm): the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.gpu_worker.utils import make_config
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(make_config("olmo_hybrid"), dtype=torch.float32).eval()
+    hf.save_pretrained(tmp_path, save_original_format=False)
+    names = set(load_file(tmp_path / "model.safetensors"))
+    assert "model.layers.0.linear_attn.conv1d.weight" in names and "model.layers.0.input_layernorm.weight" in names
+    runner = make_runner(tmp_path, num_blocks=16, block_size=4)
+    prompt = [(5 * i + 1) % 256 for i in range(20)]
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(prefill_logits(runner, prompt, [3, 1, 4, 0, 2]), ref, atol=1e-4, rtol=1e-4)
 
 
 def test_dbrx_config_as_released():

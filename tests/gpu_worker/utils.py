@@ -85,6 +85,7 @@ from transformers import (
     Olmo3Config,
     OlmoConfig,
     OlmoeConfig,
+    OlmoHybridConfig,
     OPTConfig,
     PersimmonConfig,
     Phi3Config,
@@ -643,6 +644,14 @@ def make_config(kind: str = "llama", **overrides):
                              + ["conv"] * (layers - 4),
                              "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw,
                              "num_hidden_layers": layers})
+    # OLMo Hybrid: 4 layers, three Gated DeltaNet (2 key heads of 12, 4 value heads of 16, beta doubled)
+    # and a full attention layer (OLMo 2's norms after each sublayer, whole-projection q/k norms, RoPE).
+    if kind == "olmo_hybrid":
+        return OlmoHybridConfig(**{"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 12,
+                                   "linear_value_head_dim": 16, "rope_parameters": {"rope_type": "default",
+                                                                                    "rope_theta": 10000.0},
+                                   "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw,
+                                   "num_hidden_layers": max(4, kw["num_hidden_layers"])})
     # Youtu-LLM: DeepSeek-V3's latent attention (rotary values in pairs) with dense MLPs, tied.
     if kind == "youtu":
         return YoutuConfig(**{"q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
@@ -747,7 +756,7 @@ def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides)
                               "mixer.dt_proj.bias", "mamba.dt_proj.bias", "dt_layernorm.weight",
                               "b_layernorm.weight", "c_layernorm.weight",
                               "mixer.D", "mixer.dt_bias", "mixer.conv1d.bias", "linear_attn.dt_bias",
-                              "linear_attn.norm.weight")):
+                              "linear_attn.norm.weight", "linear_attn.o_norm.weight")):
                 param.normal_(0.0, 0.5)
             # Qwen3-Next's and Qwen3.5's (1 + w) norms start at 0.
             if kind in ("qwen3_next", "qwen3_5", "qwen3_5_moe") and name.endswith(("layernorm.weight", "q_norm.weight",
