@@ -1242,12 +1242,18 @@ def _olmo_hybrid_config(cfg: dict[str, Any]) -> dict[str, Any]:
                          "transformers does")
     k_heads = int(cfg.get("linear_num_key_heads") or heads)
     key_dim = int(cfg.get("linear_key_head_dim") or int(0.75 * int(cfg["hidden_size"]) / k_heads))
+    # (The base: rope_parameters', else the top-level rope_theta, else transformers' 10,000; stated null
+    # in either place, no positions.)
     params = cfg.get("rope_parameters")
-    nope = (isinstance(params, dict) and "rope_theta" in params and params["rope_theta"] is None) \
-        or ("rope_theta" in cfg and cfg["rope_theta"] is None and not isinstance(params, dict))
-    rope = {"rope_type": "default", "rope_theta": 10000.0} if nope or not isinstance(params, dict) else params
-    return {**{k: v for k, v in cfg.items() if k != "rope_theta" or v is not None}, "rope_parameters": rope,
-            "olmo_hybrid_nope": nope, "linear_num_key_heads": k_heads,
+    theta = params["rope_theta"] if isinstance(params, dict) and "rope_theta" in params \
+        else cfg.get("rope_theta", 10000.0)
+    nope = theta is None
+    if nope:
+        cfg = {**{k: v for k, v in cfg.items() if k not in ("rope_theta", "rope_scaling")},
+               "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}  # (unread: no layer rotates)
+    elif not isinstance(params, dict):  # (the older keys, rope_theta and rope_scaling, read as they stand)
+        cfg = {k: v for k, v in cfg.items() if k != "rope_parameters" and (k != "rope_theta" or v is not None)}
+    return {**cfg, "olmo_hybrid_nope": nope, "linear_num_key_heads": k_heads,
             "linear_num_value_heads": int(cfg.get("linear_num_value_heads") or heads), "linear_key_head_dim": key_dim,
             "linear_value_head_dim": int(cfg.get("linear_value_head_dim") or 2 * key_dim)}
 

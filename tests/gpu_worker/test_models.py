@@ -1998,6 +1998,12 @@ def test_olmo_hybrid_config_as_released():
     assert config.max_context_len == 65536 and config.rms_norm_eps == 1e-6 and config.eos_token_ids == (100257,)
     rotating = ModelConfig.from_dict({**released, "rope_parameters": None})  # (transformers' default base)
     assert not rotating.rope_layers and rotating.rope_theta == 10000.0
+    # (OLMo-core's converter writes a null top-level rope_theta; an older config a base there.)
+    assert not any(ModelConfig.from_dict({**released, "rope_parameters": None, "rope_theta": None}).rope_layers)
+    assert ModelConfig.from_dict({**released, "rope_parameters": None, "rope_theta": 500000.0}).rope_theta == 500000.0
+    small = ModelConfig.from_dict({**released, "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2})
+    assert (small.mamba.num_k_heads, small.mamba.head_k_dim, small.mamba.head_v_dim) == (4, 12, 24)
+    assert small.mamba_layers == (True, False)  # (no fourth layer: the last made full)
     with pytest.raises(ValueError, match="both linear_attention and full_attention"):
         ModelConfig.from_dict({**released, "num_hidden_layers": 2, "layer_types": ["linear_attention"] * 2})
 

@@ -770,11 +770,13 @@ def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides)
             # Laguna's correction bias is a parameter (the others' a buffer, below), zero at first.
             if name.endswith("e_score_correction_bias"):
                 param.normal_(0.0, 0.3)
-            # AFMoE's router starts at zero (every expert tied), its expert_bias too; its (and LFM3's) four
-            # norms a layer at one: drawn apart, so a norm misplaced or skipped shows.
+            # AFMoE's router starts at zero (every expert tied), its expert_bias too; its (and LFM3's, OLMo
+            # Hybrid's) norms at one: drawn apart, so a norm misplaced, swapped or skipped shows.
             if (kind == "afmoe" and name.endswith(("router.gate.weight", "expert_bias", "norm.weight"))) \
                     or (kind == "lfm3" and name.endswith("norm.weight")):
                 param.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.5)
+            if kind == "olmo_hybrid" and name.endswith("layernorm.weight"):  # (its delta rule is touchy: less wide)
+                param.uniform_(0.75, 1.25)
             if name.endswith(("mamba.norm.weight", "mixer.norm.weight")) or (kind == "nemotron_h"
                                                                              and name.endswith("norm.weight")):
                 param.uniform_(0.5, 1.5)
