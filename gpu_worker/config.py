@@ -1351,7 +1351,8 @@ def _lfm2_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, A
     served = ("conv", "full_attention", "sliding_attention") if lfm3 else ("conv", "full_attention")
     unknown = sorted({k for k in kinds if k not in served})
     if unknown:
-        raise ValueError(f"layer_types: {arch}'s layers are {' or '.join(map(repr, served))}, got {unknown}")
+        raise ValueError(f"layer_types: {'LFM3' if lfm3 else 'LFM2'}'s layers are {' or '.join(map(repr, served))}, "
+                         f"got {unknown}")
     fields: dict[str, Any] = {}
     if lfm3 and "sliding_attention" in kinds:
         fields["local_rope_theta"] = _local_rope_theta(arch, cfg, 10_000.0)

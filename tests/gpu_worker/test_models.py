@@ -516,7 +516,7 @@ def test_config_rejects_unsupported():
     base = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 256}
     with pytest.raises(ValueError, match="architecture"):
-        ModelConfig.from_dict({**base, "architectures": ["CodeGenForCausalLM"]})
+        ModelConfig.from_dict({**base, "architectures": ["JetMoeForCausalLM"]})
     with pytest.raises(ValueError, match="rope_type"):
         ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(ValueError, match="hidden_act"):
