@@ -22,22 +22,9 @@ import torch
 from gpu_worker.attn_metadata import AttentionMetadata
 from gpu_worker.config import ModelConfig
 from gpu_worker.layers.layernorm import RMSNorm
-from gpu_worker.layers.linear import ColumnParallelLinear
 from gpu_worker.layers.weight_utils import WeightLike
-from gpu_worker.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from gpu_worker.models.llama import GatedOutputAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from gpu_worker.models.renamed_checkpoint import rename_parts
-
-
-class GatedOutputAttention(LlamaAttention):
-    """Llama's attention whose output is gated channel by channel: o_proj(attention * sigmoid(gate_proj(x))).
-    The gate's rows are split across tensor-parallel ranks as the query heads are."""
-
-    def __init__(self, config: ModelConfig, layer: int = 0, norm_class: type[RMSNorm] = RMSNorm) -> None:
-        super().__init__(config, layer, norm_class)
-        self.gate_proj = ColumnParallelLinear(config.hidden_size, config.num_attention_heads * config.head_dim)
-
-    def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.o_proj.forward(self.attend(rope, hidden, meta) * torch.sigmoid(self.gate_proj.forward(hidden)))
 
 
 class AfmoeDecoderLayer(LlamaDecoderLayer):

@@ -23,34 +23,25 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.attn_metadata import AttentionMetadata
 from gpu_worker.config import ModelConfig
-from gpu_worker.layers.layernorm import RMSNorm
-from gpu_worker.layers.linear import ColumnParallelLinear
 from gpu_worker.layers.weight_utils import WeightLike
-from gpu_worker.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from gpu_worker.models.llama import GatedOutputAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from gpu_worker.models.renamed_checkpoint import rename_parts
 
 
-class SoftplusGatedAttention(LlamaAttention):
-    """Llama's attention with its output scaled by softplus(g_proj(x)) (computed in fp32), per head or
-    per channel; g_proj's rows are split across tensor-parallel ranks as the query heads are."""
+class SoftplusGatedAttention(GatedOutputAttention):
+    """Laguna's gate: softplus(g_proj(x)) in fp32, per head (``gating`` true or "per-head") or per channel."""
 
-    def __init__(self, config: ModelConfig, layer: int = 0, norm_class: type[RMSNorm] = RMSNorm) -> None:
-        super().__init__(config, layer, norm_class)
+    gate_name = "g_proj"
+
+    @staticmethod
+    def gate_per_head(config: ModelConfig) -> bool:
         gating = config.raw.get("gating", True)
-        self.per_head = gating is True or gating == "per-head"
-        heads = config.layer_attention_heads(layer)
-        self.g_proj = ColumnParallelLinear(config.hidden_size, heads if self.per_head else heads * config.head_dim)
+        return gating is True or gating == "per-head"
 
-    def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        out = self.attend(rope, hidden, meta)
-        gate = F.softplus(self.g_proj.forward(hidden).float()).to(out.dtype)
-        if self.per_head:
-            out = (out.view(out.shape[0], -1, self.head_dim) * gate.unsqueeze(-1)).view(out.shape[0], -1)
-        else:
-            out = out * gate
-        return self.o_proj.forward(out)
+    @staticmethod
+    def activation(gate: torch.Tensor) -> torch.Tensor:
+        return F.softplus(gate.float())
 
 
 class LagunaDecoderLayer(LlamaDecoderLayer):

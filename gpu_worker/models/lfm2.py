@@ -19,10 +19,9 @@ import torch
 from gpu_worker.attn_metadata import AttentionMetadata
 from gpu_worker.config import ModelConfig
 from gpu_worker.layers.layernorm import RMSNorm
-from gpu_worker.layers.linear import ColumnParallelLinear
 from gpu_worker.layers.short_conv import ShortConv
 from gpu_worker.layers.weight_utils import WeightLike
-from gpu_worker.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from gpu_worker.models.llama import GatedOutputAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from gpu_worker.models.renamed_checkpoint import rename_parts
 
 # transformers' names -> ours (the layer's own ``conv`` first: its convolution is named ``conv`` too).
@@ -66,22 +65,17 @@ class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
     place of the MLP from layer num_dense_layers on."""
 
 
-class Lfm3Attention(LlamaAttention):
+class Lfm3Attention(GatedOutputAttention):
     """LFM3's attention: Qwen3's (per-head q/k norms), its output scaled per head by sigmoid(gate_proj(x))
-    where use_attention_gate (the released name; transformers' g_proj), the gate's rows split across
-    tensor-parallel ranks as the query heads are."""
+    where use_attention_gate (the released name; transformers' g_proj)."""
 
-    def __init__(self, config: ModelConfig, layer: int = 0, norm_class: type[RMSNorm] = RMSNorm) -> None:
-        super().__init__(config, layer, norm_class)
-        self.gate_proj = (ColumnParallelLinear(config.hidden_size, config.num_attention_heads)
-                          if config.raw.get("use_attention_gate", True) else None)
+    @staticmethod
+    def gated(config: ModelConfig) -> bool:
+        return bool(config.raw.get("use_attention_gate", True))
 
-    def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        out = self.attend(rope, hidden, meta)
-        if self.gate_proj is not None:
-            gate = torch.sigmoid(self.gate_proj.forward(hidden)).unsqueeze(-1)
-            out = (out.view(out.shape[0], -1, self.head_dim) * gate).view(out.shape[0], -1)
-        return self.o_proj.forward(out)
+    @staticmethod
+    def gate_per_head(config: ModelConfig) -> bool:
+        return True
 
 
 class Lfm3DecoderLayer(Lfm2DecoderLayer):

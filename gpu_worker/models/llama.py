@@ -105,6 +105,47 @@ class LlamaAttention(nn.Module):
         return self.attn.forward(q, k, v, meta)
 
 
+class GatedOutputAttention(LlamaAttention):
+    """Llama's attention whose heads' outputs are scaled by activation(gate(x)) before o_proj (AFMoE's,
+    Laguna's, LFM3's): one value per head, broadcast over its channels (``gate_per_head``), or one per
+    channel. The gate projection, named as the checkpoint names it (``gate_name``), splits its rows
+    across tensor-parallel ranks as the query heads are; a model without one (``gated`` false) attends
+    as Llama's. Subclasses read these from their config; the base is AFMoE's (a sigmoid per channel)."""
+
+    gate_name = "gate_proj"
+
+    def __init__(self, config: ModelConfig, layer: int = 0, norm_class: type[RMSNorm] = RMSNorm) -> None:
+        super().__init__(config, layer, norm_class)
+        self.per_head = self.gate_per_head(config)
+        heads = config.layer_attention_heads(layer)
+        setattr(self, self.gate_name, ColumnParallelLinear(config.hidden_size, heads if self.per_head
+                                                           else heads * config.head_dim)
+                if self.gated(config) else None)
+
+    @staticmethod
+    def gated(config: ModelConfig) -> bool:
+        return True
+
+    @staticmethod
+    def gate_per_head(config: ModelConfig) -> bool:
+        return False
+
+    @staticmethod
+    def activation(gate: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(gate)
+
+    def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        out = self.attend(rope, hidden, meta)
+        gate_proj = getattr(self, self.gate_name)  # (looked up by name: LoRA may have wrapped it)
+        if gate_proj is not None:
+            gate = self.activation(gate_proj.forward(hidden)).to(out.dtype)
+            if self.per_head:
+                out = (out.view(out.shape[0], -1, self.head_dim) * gate.unsqueeze(-1)).view(out.shape[0], -1)
+            else:
+                out = out * gate
+        return self.o_proj.forward(out)
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, intermediate_size: int | None = None, reduce_results: bool = True) -> None:
         super().__init__()
@@ -624,9 +665,12 @@ class MiniCPMForCausalLM(LlamaForCausalLM):
 
 
 def sinks_under_attention(weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
-    """A checkpoint's attention sinks (``self_attn.sinks``) read as PagedAttention's (``self_attn.attn.sinks``)."""
+    """A checkpoint's attention sinks (``self_attn.sinks``; MiMo-V2-Flash's released
+    ``self_attn.attention_sink_bias``) read as PagedAttention's (``self_attn.attn.sinks``)."""
     for name, tensor in weights:
-        yield name.replace(".self_attn.sinks", ".self_attn.attn.sinks"), tensor
+        if name.endswith((".self_attn.sinks", ".self_attn.attention_sink_bias")):
+            name = name.rsplit(".", 1)[0] + ".attn.sinks"
+        yield name, tensor
 
 
 class GraniteSWAForCausalLM(GraniteForCausalLM):

@@ -33,7 +33,7 @@ from gpu_worker.layers.layernorm import RMSNorm
 from gpu_worker.layers.linear import QKVParallelLinear, RowParallelLinear
 from gpu_worker.layers.rotary import RotaryEmbedding
 from gpu_worker.layers.weight_utils import WeightLike, materialize
-from gpu_worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from gpu_worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, sinks_under_attention
 
 
 class MiMoV2FlashAttention(nn.Module):
@@ -83,13 +83,10 @@ class MiMoV2FlashForCausalLM(LlamaForCausalLM):
         return torch.cat((per_head, padding), dim=1).reshape(-1, *rows.shape[1:])
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
-        for name, tensor in weights:
+        for name, tensor in sinks_under_attention(weights):
             if name.endswith((".self_attn.v_proj.weight", ".self_attn.v_proj.bias")):
-                yield name, self._padded_value_rows(materialize(tensor))
-            elif name.endswith((".self_attn.sinks", ".self_attn.attention_sink_bias")):  # (transformers', released)
-                yield name.rsplit(".", 1)[0] + ".attn.sinks", tensor
-            else:
-                yield name, tensor
+                tensor = self._padded_value_rows(materialize(tensor))
+            yield name, tensor
 
     def reads_checkpoint_tensor(self, name: str) -> bool:
         return not name.startswith(("model.mtp.", "mtp."))
