@@ -232,8 +232,8 @@ class EngineCore:
                    if info.sliding_window is not None
                    else "a draft model's or EAGLE head's KV cache is not transferred (the MTP drafter's is)"
                    if config.speculative_config is not None and config.speculative_config.uses_draft_model
-                   else "its layers' KV caches differ in shape (Gemma 4's full layers), and the blocks travel as one "
-                        "tensor of every layer's" if info.kv_cache_shapes_differ
+                   else "its layers' KV caches differ in shape (Gemma 4's full layers, MiMo-V2-Flash's windowed "
+                        "ones), and the blocks travel as one tensor of every layer's" if info.kv_cache_shapes_differ
                    else None)
         if problem is not None:
             self.executor.shutdown()
