@@ -103,7 +103,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "YoutuForCausalLM", "AfmoeForCausalLM", "LagunaForCausalLM", "MellumForCausalLM",
                            "HYV3ForCausalLM", "MiMoV2FlashForCausalLM", "GraniteSWAForCausalLM",
                            "GraniteMoeSWAForCausalLM", "Cohere2MoeForCausalLM", "Lfm3ForCausalLM",
-                           "GPTNeoForCausalLM", "CodeGenForCausalLM", "OlmoHybridForCausalLM")
+                           "GPTNeoForCausalLM", "CodeGenForCausalLM", "OlmoHybridForCausalLM",
+                           "HyperCLOVAXForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -242,6 +243,9 @@ LLAMA_LIKE_DEFAULTS = {
     "HYV3ForCausalLM": {"vocab_size": 120832, "hidden_size": 4096, "intermediate_size": 13312, "num_hidden_layers": 80,
                         "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
                         "max_position_embeddings": 131072, "rms_norm_eps": 1e-5},
+    "HyperCLOVAXForCausalLM": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+                               "num_hidden_layers": 32, "num_attention_heads": 32, "max_position_embeddings": 2048,
+                               "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2},
     "Jais2ForCausalLM": {"vocab_size": 150272, "hidden_size": 3328, "intermediate_size": 26624, "num_hidden_layers": 32,
                          "num_attention_heads": 26, "max_position_embeddings": 8192, "hidden_act": "relu2",
                          "attention_bias": True, "mlp_bias": True, "eos_token_id": 150024},
@@ -1023,7 +1027,19 @@ def _olmo3_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _granite_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """Granite's four scalars (transformers' defaults: 1.0 each), Granite MoE's too."""
+    """Granite's four scalars (transformers' defaults: 1.0 each), Granite MoE's too; HyperCLOVA X's
+    (null: 1.0; its scores scaled by head_dim ** -0.5 unless stated, its logits multiplied by
+    logits_scaling, and each sublayer's output normed under use_post_norm)."""
+    if arch == "HyperCLOVAXForCausalLM":
+        def scalar(key: str) -> float:
+            value = cfg.get(key)
+            return 1.0 if value is None else float(value)
+        scale = cfg.get("attention_multiplier")
+        return {"embedding_multiplier": scalar("embedding_multiplier"),
+                "residual_multiplier": scalar("residual_multiplier"),
+                "attention_multiplier": None if scale is None else float(scale),
+                "logits_scaling": 1.0 / scalar("logits_scaling"),
+                "sublayer_output_norm": cfg.get("use_post_norm") is not False}
     if arch not in ("GraniteForCausalLM", "GraniteSWAForCausalLM", *GRANITE_MOE_ARCHITECTURES):
         return {}
     return {"embedding_multiplier": float(cfg.get("embedding_multiplier", 1.0)),
@@ -2635,6 +2651,8 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    # HyperCLOVA X's Peri-LN: each sublayer's output normed before its residual add.
+    sublayer_output_norm: bool = False
     # DeepSeek-V2 / V3's multi-head latent attention (kv_lora_rank 0: none). The keys and values of
     # every head come from one latent of kv_lora_rank values (normed) plus qk_rope_head_dim rotated
     # values shared by all heads; queries from a q_lora_rank bottleneck (0: a plain projection). The

@@ -46,6 +46,7 @@ from gpu_worker.models.gpt2 import (
     GPTNeoForCausalLM,
 )
 from gpu_worker.models.gpt_oss import GptOssForCausalLM
+from gpu_worker.models.hyperclovax import HyperCLOVAXForCausalLM
 from gpu_worker.models.idefics3 import Idefics3ForConditionalGeneration
 from gpu_worker.models.internlm import InternLM2ForCausalLM, InternLM3ForCausalLM
 from gpu_worker.models.internvl import internvl_class
@@ -215,6 +216,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LagunaForCausalLM": LagunaForCausalLM,
     "MellumForCausalLM": MellumForCausalLM,
     "HYV3ForCausalLM": HYV3ForCausalLM,
+    "HyperCLOVAXForCausalLM": HyperCLOVAXForCausalLM,
     "MiMoV2FlashForCausalLM": MiMoV2FlashForCausalLM,
     "GraniteSWAForCausalLM": GraniteSWAForCausalLM,
     "GraniteMoeSWAForCausalLM": GraniteMoeSWAForCausalLM,

@@ -240,6 +240,13 @@ CASES = {
     # Granite's embedding, residual and attention multipliers and logits scaling.
     "granite": ("granite", {}),
     "granite_bias_mqa": ("granite", {"attention_bias": True, "mlp_bias": True, "num_key_value_heads": 1}),
+    # HyperCLOVA X: Granite's scalars (logits multiplied) with Peri-LN's norms after each sublayer; without
+    # them; the default score scale (head_dim ** -0.5) with one KV head, tied.
+    "hyperclovax": ("hyperclovax", {}),
+    "hyperclovax_no_post_norm_biases": ("hyperclovax", {"use_post_norm": False, "attention_bias": True,
+                                                        "mlp_bias": True}),
+    "hyperclovax_default_scale_mqa_tied": ("hyperclovax", {"attention_multiplier": None, "num_key_value_heads": 1,
+                                                           "tie_word_embeddings": True}),
     # MiniMax-M2: whole-projection q/k norms before a half-head RoPE, sigmoid routing through the
     # correction bias (renormalised); MQA with a quarter-head RoPE.
     "minimax_m2": ("minimax_m2", {}),
@@ -665,6 +672,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "HYV3ForCausalLM", "MiMoV2FlashForCausalLM", "GraniteSWAForCausalLM",
                                    "GraniteMoeSWAForCausalLM", "Cohere2MoeForCausalLM", "Lfm3ForCausalLM",
                                    "GPTNeoForCausalLM", "CodeGenForCausalLM", "OlmoHybridForCausalLM",
+                                   "HyperCLOVAXForCausalLM",
                                    "BertModel",
                                    "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
@@ -1688,6 +1696,27 @@ def test_jais2_config_as_released():
     assert config.vocab_size == 150272 and config.max_context_len == 8192 and not config.tie_word_embeddings
     with pytest.raises(ValueError, match="hidden_act"):
         ModelConfig.from_dict({**released, "hidden_act": "swish"})
+
+
+def test_hyperclovax_config_as_released():
+    """HyperCLOVA X SEED's config as transformers' HyperCLOVAXConfig describes it (Granite's defaults):
+    Peri-LN unless use_post_norm is false, scores scaled by head_dim ** -0.5 unless attention_multiplier
+    says otherwise, logits multiplied by logits_scaling (held as its reciprocal); its own remote code's
+    nulls read as 1.0."""
+    released = {"architectures": ["HyperCLOVAXForCausalLM"], "embedding_multiplier": 10.0,
+                "residual_multiplier": 0.25, "logits_scaling": 0.125, "attention_multiplier": None}
+    config = ModelConfig.from_dict(released)
+    assert config.sublayer_output_norm and config.attention_scale == pytest.approx(128 ** -0.5)
+    assert (config.embedding_multiplier, config.residual_multiplier, config.logits_scaling) == (10.0, 0.25, 8.0)
+    assert (config.vocab_size, config.hidden_size, config.intermediate_size, config.num_hidden_layers) == \
+        (32000, 4096, 11008, 32)
+    assert config.num_key_value_heads == 32 and config.rms_norm_eps == 1e-6 and config.eos_token_ids == (2,)
+    stated = ModelConfig.from_dict({**released, "attention_multiplier": 0.0078125, "use_post_norm": False,
+                                    "head_dim": 64})
+    assert stated.attention_scale == 0.0078125 and not stated.sublayer_output_norm and stated.head_dim == 64
+    nulls = ModelConfig.from_dict({**released, "embedding_multiplier": None, "residual_multiplier": None,
+                                   "logits_scaling": None})
+    assert (nulls.embedding_multiplier, nulls.residual_multiplier, nulls.logits_scaling) == (1.0, 1.0, 1.0)
 
 
 def test_solar_open_config_as_released():

@@ -59,6 +59,7 @@ from transformers import (
     HeliumConfig,
     HunYuanDenseV1Config,
     HunYuanMoEV1Config,
+    HyperCLOVAXConfig,
     HYV3Config,
     Jais2Config,
     JambaConfig,
@@ -231,6 +232,12 @@ def make_config(kind: str = "llama", **overrides):
     if kind == "granite":
         return GraniteConfig(**{"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
                                 "attention_multiplier": 0.0625, "logits_scaling": 8.0, **kw})
+    # HyperCLOVA X: Granite's scalars away from 1 (its logits multiplied), Peri-LN's norm after each
+    # sublayer, 16-dim heads (not hidden / heads).
+    if kind == "hyperclovax":
+        return HyperCLOVAXConfig(**{"embedding_multiplier": 3.0, "residual_multiplier": 0.4,
+                                    "attention_multiplier": 0.2, "logits_scaling": 0.5, "head_dim": 8,
+                                    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
     # MiniMax-M2: whole-projection q/k norms, RoPE over half of each 16-dim head, 8 experts chosen by
     # sigmoid scores through the correction bias, 2 per token.
     if kind == "minimax_m2":
@@ -773,7 +780,7 @@ def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides)
             # AFMoE's router starts at zero (every expert tied), its expert_bias too; its (and LFM3's, OLMo
             # Hybrid's) norms at one: drawn apart, so a norm misplaced, swapped or skipped shows.
             if (kind == "afmoe" and name.endswith(("router.gate.weight", "expert_bias", "norm.weight"))) \
-                    or (kind == "lfm3" and name.endswith("norm.weight")):
+                    or (kind in ("lfm3", "hyperclovax") and name.endswith("norm.weight")):
                 param.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.5)
             if kind == "olmo_hybrid" and name.endswith("layernorm.weight"):  # (its delta rule is touchy: less wide)
                 param.uniform_(0.75, 1.25)
