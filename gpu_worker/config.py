@@ -104,7 +104,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "HYV3ForCausalLM", "MiMoV2FlashForCausalLM", "GraniteSWAForCausalLM",
                            "GraniteMoeSWAForCausalLM", "Cohere2MoeForCausalLM", "Lfm3ForCausalLM",
                            "GPTNeoForCausalLM", "CodeGenForCausalLM", "OlmoHybridForCausalLM",
-                           "HyperCLOVAXForCausalLM")
+                           "HyperCLOVAXForCausalLM", "AXK1ForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -131,12 +131,13 @@ GRANITE_SWA_ARCHITECTURES = ("GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM"
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # MLA's models: DeepSeek's, MiniCPM3 (MLA with RoPE in halves, dense MLPs, muP-style scalings) and
 # GLM-4.7-Flash (Glm4MoeLiteForCausalLM: DeepSeek-V3's attention with GLM-4.5's experts).
-MLA_ARCHITECTURES = (*DEEPSEEK_ARCHITECTURES, "MiniCPM3ForCausalLM", "Glm4MoeLiteForCausalLM", "YoutuForCausalLM")
+MLA_ARCHITECTURES = (*DEEPSEEK_ARCHITECTURES, "MiniCPM3ForCausalLM", "Glm4MoeLiteForCausalLM", "YoutuForCausalLM",
+                     "AXK1ForCausalLM")
 # transformers' defaults of each: (qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank, q_lora_rank,
 # v_head_dim; None: hidden_size / num_attention_heads).
 _MLA_DEFAULTS = {"DeepseekV2ForCausalLM": (128, 64, 512, 1536, 128), "DeepseekV3ForCausalLM": (128, 64, 512, 1536, 128),
                  "MiniCPM3ForCausalLM": (64, 32, 256, 768, None), "Glm4MoeLiteForCausalLM": (192, 64, 512, 768, 256),
-                 "YoutuForCausalLM": (128, 64, 512, 1536, 128)}
+                 "YoutuForCausalLM": (128, 64, 512, 1536, 128), "AXK1ForCausalLM": (128, 64, 512, 1536, 128)}
 # transformers' GptOssConfig defaults for the keys a GPT-OSS config may leave out (gpt-oss-20b's and
 # -120b's configs state them, but for swiglu_alpha; the experts' are _moe_from_dict's).
 GPT_OSS_DEFAULTS = {"head_dim": 64, "sliding_window": 128, "attention_bias": True, "rms_norm_eps": 1e-5,
@@ -177,6 +178,10 @@ MINICPM5_MOE_DEFAULTS = {"vocab_size": 130560, "hidden_size": 2048, "intermediat
 YOUTU_DEFAULTS = {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 32,
                   "num_attention_heads": 16, "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
                   "tie_word_embeddings": True, "eos_token_id": 128001}
+# transformers' AXK1Config defaults (A.X-K1's; a null q_lora_rank kept, to be refused).
+AXK1_DEFAULTS = {"vocab_size": 163840, "hidden_size": 7168, "intermediate_size": 18432, "num_hidden_layers": 61,
+                 "num_attention_heads": 64, "num_key_value_heads": 64, "max_position_embeddings": 32768,
+                 "rms_norm_eps": 1e-6, "bos_token_id": 163691, "eos_token_id": 163691}
 # transformers' AfmoeConfig defaults (Trinity-Mini's; a null kept: a null sliding_window is no window,
 # a null head_dim hidden_size / heads); its experts' are _moe_from_dict's.
 AFMOE_DEFAULTS = {"vocab_size": 200192, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 32,
@@ -213,7 +218,7 @@ NULL_KEEPING_DEFAULTS = {"MiniCPM3ForCausalLM": MINICPM3_DEFAULTS, "Glm4MoeLiteF
                          "MiniCPM5MoeForCausalLM": MINICPM5_MOE_DEFAULTS, "YoutuForCausalLM": YOUTU_DEFAULTS,
                          "AfmoeForCausalLM": AFMOE_DEFAULTS, "LagunaForCausalLM": LAGUNA_DEFAULTS,
                          "MellumForCausalLM": MELLUM_DEFAULTS, "MiMoV2FlashForCausalLM": MIMO_V2_FLASH_DEFAULTS,
-                         **GRANITE_SWA_DEFAULTS}
+                         "AXK1ForCausalLM": AXK1_DEFAULTS, **GRANITE_SWA_DEFAULTS}
 # Another spelling of an architecture's name in released configs, read as transformers reads it.
 ARCHITECTURE_SPELLINGS = {"MiniCPM5MoEForCausalLM": "MiniCPM5MoeForCausalLM",
                           "ExaoneMoEForCausalLM": "ExaoneMoeForCausalLM"}
@@ -2100,6 +2105,8 @@ def _mla_fields(arch: str, cfg: dict[str, Any], scaling: dict[str, Any] | None) 
         scale *= yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"])) ** 2
     # (DeepSeek-V2-Lite's config says null: a plain query projection)
     q_lora = cfg.get("q_lora_rank", q_lora_default)
+    if arch == "AXK1ForCausalLM" and not q_lora:  # (transformers' AXK1Attention always builds q_a_proj)
+        raise ValueError("AXK1ForCausalLM always has a query LoRA: q_lora_rank must be set")
     v_dim = cfg.get("v_head_dim") or v_default or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
     return dict(kv_lora_rank=int(cfg.get("kv_lora_rank") or kv_lora_default),
                 q_lora_rank=int(q_lora) if q_lora else 0, qk_nope_head_dim=nope, qk_rope_head_dim=rope,
@@ -2239,7 +2246,7 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
                     moe_activation="swigluoai", swiglu_alpha=float(cfg.get("swiglu_alpha") or 1.702),
                     swiglu_limit=float(cfg.get("swiglu_limit") or 7.0))
     if arch in ("Glm4MoeForCausalLM", *DEEPSEEK_ARCHITECTURES, "Dots1ForCausalLM", "MiniCPM5MoeForCausalLM",
-                "Glm4MoeLiteForCausalLM", "ExaoneMoeForCausalLM", "SolarOpenForCausalLM"):
+                "Glm4MoeLiteForCausalLM", "ExaoneMoeForCausalLM", "SolarOpenForCausalLM", "AXK1ForCausalLM"):
         # Routed experts from layer first_k_dense_replace on (dense MLPs of intermediate_size below;
         # DeepSeek's every moe_layer_freq-th layer; MiniCPM5-MoE's and GLM-4.7-Flash's where
         # mlp_layer_types says "sparse"), beside n_shared_experts shared ones. GLM-4.5 and 4.7-Flash,
@@ -2260,10 +2267,12 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
                     "MiniCPM5MoeForCausalLM": (160, 512, 16, 1, 3.66),
                     "Glm4MoeLiteForCausalLM": (64, 1536, 4, 1, 1.8),
                     "ExaoneMoeForCausalLM": (64, 1024, 8, 1, 2.5),
-                    "SolarOpenForCausalLM": (128, 1280, 8, 0, 1.0)}[arch]
+                    "SolarOpenForCausalLM": (128, 1280, 8, 0, 1.0),
+                    "AXK1ForCausalLM": (192, 2048, 8, 1, 2.5)}[arch]
         num_experts = read("n_routed_experts", defaults[0], "num_local_experts", "num_experts")
         width = read("moe_intermediate_size", defaults[1])
-        grouped = 8 if arch == "DeepseekV3ForCausalLM" else 1  # (transformers' defaults: V3's 8 groups, 4 kept)
+        # (transformers' defaults: DeepSeek-V3's and A.X-K1's 8 groups, 4 kept)
+        grouped = 8 if arch in ("DeepseekV3ForCausalLM", "AXK1ForCausalLM") else 1
         groups, kept = read("n_group", grouped) or 1, read("topk_group", grouped // 2 or 1) or 1
         if v2 and cfg.get("topk_method", "greedy") == "greedy":
             groups = kept = 1
@@ -2283,10 +2292,12 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
         # (Its multi-token-prediction layers follow the decoder's, numbered on: speculative decoding's
         # mtp drafter builds the first, routed as the layer of its number would be.)
         # (K-EXAONE's are apart, under mtp.*, and not read; MiniCPM5-MoE has none.)
-        no_mtp = v2 or arch in ("ExaoneMoeForCausalLM", "MiniCPM5MoeForCausalLM", "SolarOpenForCausalLM")
+        # (A.X-K1's transformers config has no MTP key: any layers after the decoder's are not read.)
+        no_mtp = v2 or arch in ("ExaoneMoeForCausalLM", "MiniCPM5MoeForCausalLM", "SolarOpenForCausalLM",
+                                "AXK1ForCausalLM")
         num_mtp = 0 if no_mtp else int(cfg.get("num_nextn_predict_layers") or 0)
         moe_layers = tuple(i >= first_moe and i % every == 0 for i in range(num_layers + num_mtp))
-        if arch in ("MiniCPM5MoeForCausalLM", "Glm4MoeLiteForCausalLM", "ExaoneMoeForCausalLM") \
+        if arch in ("MiniCPM5MoeForCausalLM", "Glm4MoeLiteForCausalLM", "ExaoneMoeForCausalLM", "AXK1ForCausalLM") \
                 and isinstance(cfg.get("mlp_layer_types"), list):
             kinds = cfg["mlp_layer_types"]
             if len(kinds) != num_layers or not set(kinds) <= {"dense", "sparse"}:

@@ -163,6 +163,38 @@ class YoutuForCausalLM(DeepseekV2ForCausalLM):
     pairs unless rope_interleave is false) in Llama's layers, dense MLPs everywhere, a tied head."""
 
 
+class AXK1DecoderLayer(DeepseekDecoderLayer):
+    """A.X-K1's layer: DeepSeek-V3's, its routed layers' MLP output (experts and shared expert summed)
+    normed before the residual add (``post_mlp_layernorm``)."""
+
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
+        super().__init__(config, layer)
+        self.post_mlp_layernorm = (RMSNorm(config.hidden_size, config.rms_norm_eps) if config.layer_is_moe(layer)
+                                   else None)
+
+    def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = super().forward(rope, hidden, residual, meta)
+        return (hidden if self.post_mlp_layernorm is None else self.post_mlp_layernorm.forward(hidden)), residual
+
+
+class AXK1Model(LlamaModel):
+    layer_class = AXK1DecoderLayer
+
+
+class AXK1ForCausalLM(DeepseekV3ForCausalLM):
+    """SK Telecom's A.X-K1 (AXK1ForCausalLM): DeepSeek-V3 (latent attention with a query LoRA, grouped
+    sigmoid routing beside a shared expert per mlp_layer_types) whose routed layers norm their MLP's
+    output; the norm read as released (``layers.N.post_mlp_layernorm``) or under transformers' name
+    (``layers.N.mlp.post_mlp_layernorm``)."""
+
+    model_class = AXK1Model
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
+        return super().checkpoint_tensors(
+            (name.replace(".mlp.post_mlp_layernorm.", ".post_mlp_layernorm."), tensor) for name, tensor in weights)
+
+
 class MiniCPM3ForCausalLM(DeepseekV2ForCausalLM):
     """MiniCPM3 (openbmb/MiniCPM3-4B): MLA with its rotary values in halves (no reordering), dense
     MLPs, and MiniCPM's scalings of the embeddings, residual adds and logits (ModelConfig's Granite

@@ -23,6 +23,7 @@ from gpu_worker.models.classic import (
 from gpu_worker.models.cohere import Cohere2ForCausalLM, Cohere2MoeForCausalLM, CohereForCausalLM
 from gpu_worker.models.dbrx import DbrxForCausalLM
 from gpu_worker.models.deepseek import (
+    AXK1ForCausalLM,
     DeepseekV2ForCausalLM,
     DeepseekV3ForCausalLM,
     Glm4MoeLiteForCausalLM,
@@ -217,6 +218,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MellumForCausalLM": MellumForCausalLM,
     "HYV3ForCausalLM": HYV3ForCausalLM,
     "HyperCLOVAXForCausalLM": HyperCLOVAXForCausalLM,
+    "AXK1ForCausalLM": AXK1ForCausalLM,
     "MiMoV2FlashForCausalLM": MiMoV2FlashForCausalLM,
     "GraniteSWAForCausalLM": GraniteSWAForCausalLM,
     "GraniteMoeSWAForCausalLM": GraniteMoeSWAForCausalLM,

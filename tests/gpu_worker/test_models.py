@@ -150,6 +150,11 @@ CASES = {
     "olmo_hybrid_defaults": ("olmo_hybrid", {"linear_num_key_heads": None, "linear_num_value_heads": None,
                                              "linear_key_head_dim": None, "linear_value_head_dim": None,
                                              "layer_types": None, "num_hidden_layers": 5}),
+    # A.X-K1: DeepSeek-V3 whose routed layers norm their MLP's output; rotary values in halves, tied,
+    # every layer routed.
+    "axk1": ("axk1", {}),
+    "axk1_halves_tied_all_routed": ("axk1", {"rope_interleave": False, "tie_word_embeddings": True,
+                                             "mlp_layer_types": ["sparse", "sparse"]}),
     "youtu": ("youtu", {}),
     "youtu_plain_query_halves_untied": ("youtu", {"q_lora_rank": None, "rope_interleave": False,
                                                   "tie_word_embeddings": False}),
@@ -672,7 +677,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "HYV3ForCausalLM", "MiMoV2FlashForCausalLM", "GraniteSWAForCausalLM",
                                    "GraniteMoeSWAForCausalLM", "Cohere2MoeForCausalLM", "Lfm3ForCausalLM",
                                    "GPTNeoForCausalLM", "CodeGenForCausalLM", "OlmoHybridForCausalLM",
-                                   "HyperCLOVAXForCausalLM",
+                                   "HyperCLOVAXForCausalLM", "AXK1ForCausalLM",
                                    "BertModel",
                                    "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
@@ -1095,7 +1100,8 @@ def test_multi_token_prediction_layers_are_not_read_by_the_model(tmp_path, kind)
 
 
 @pytest.mark.parametrize("kind", ["granitemoe", "minimax_m2", "mixtral", "olmoe", "flex_olmo", "hunyuan_moe", "hy_v3",
-                                  "laguna", "afmoe", "mimo_v2_flash", "solar_open", "mellum", "cohere2_moe"])
+                                  "laguna", "afmoe", "mimo_v2_flash", "solar_open", "mellum", "cohere2_moe",
+                                  "axk1"])
 def test_moe_checkpoints_in_transformers_own_layout_load_too(tmp_path, kind):
     """Saved with transformers 5's own names (save_original_format=False: stacked experts, its router
     and bias names) rather than the released ones: the same logits."""
@@ -1112,6 +1118,8 @@ def test_moe_checkpoints_in_transformers_own_layout_load_too(tmp_path, kind):
         for name, param in hf.named_parameters():  # (Laguna's and AFMoE's biases, AFMoE's and MiMo's zero routers)
             if name.endswith(("e_score_correction_bias", "expert_bias", "router.gate.weight", "mlp.gate.weight")):
                 param.normal_(0.0, 0.3)
+            if name.endswith("mlp.post_mlp_layernorm.weight"):  # (A.X-K1's, under transformers' own name)
+                param.normal_(1.0, 0.5)
     hf.save_pretrained(tmp_path, save_original_format=False)
     assert any(".experts.gate_up_proj" in name for name in load_file(tmp_path / "model.safetensors"))
     runner = make_runner(tmp_path, num_blocks=16, block_size=4)
@@ -1717,6 +1725,31 @@ def test_hyperclovax_config_as_released():
     nulls = ModelConfig.from_dict({**released, "embedding_multiplier": None, "residual_multiplier": None,
                                    "logits_scaling": None})
     assert (nulls.embedding_multiplier, nulls.residual_multiplier, nulls.logits_scaling) == (1.0, 1.0, 1.0)
+
+
+def test_axk1_config_as_released():
+    """A.X-K1's config as transformers' AXK1Config describes it: DeepSeek-V3's latent attention (ranks 1536
+    and 512, heads of 128 + 64, values of 128, rotary values in pairs), the first layer dense, then 192
+    experts of 2048 (8 a token from 4 of 8 groups, sigmoid through the correction bias, times 2.5) beside a
+    shared one; legacy first_k_dense_replace read where mlp_layer_types is left out; no query LoRA refused."""
+    released = {"architectures": ["AXK1ForCausalLM"]}
+    config = ModelConfig.from_dict(released)
+    assert (config.q_lora_rank, config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim,
+            config.v_head_dim) == (1536, 512, 128, 64, 128) and config.rope_interleave
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (192, 8, 2048)
+    assert (config.moe_num_groups, config.moe_topk_groups, config.routed_scaling_factor) == (8, 4, 2.5)
+    assert config.moe_scoring == "sigmoid" and config.moe_correction_bias and config.norm_topk_prob
+    assert config.shared_expert_intermediate_size == 2048 and config.num_mtp_layers == 0
+    assert [config.layer_is_moe(i) for i in (0, 1, 60)] == [False, True, True] and config.num_hidden_layers == 61
+    assert (config.vocab_size, config.hidden_size, config.max_context_len) == (163840, 7168, 32768)
+    assert config.eos_token_ids == (163691,) and config.rms_norm_eps == 1e-6
+    legacy = ModelConfig.from_dict({**released, "num_hidden_layers": 4, "first_k_dense_replace": 2})
+    assert [legacy.layer_is_moe(i) for i in range(4)] == [False, False, True, True]
+    stated = ModelConfig.from_dict({**released, "num_hidden_layers": 3,
+                                    "mlp_layer_types": ["sparse", "dense", "sparse"]})
+    assert [stated.layer_is_moe(i) for i in range(3)] == [True, False, True]
+    with pytest.raises(ValueError, match="query LoRA"):
+        ModelConfig.from_dict({**released, "q_lora_rank": None})
 
 
 def test_solar_open_config_as_released():

@@ -15,6 +15,7 @@ from transformers import (
     ApertusConfig,
     ArceeConfig,
     AutoModelForCausalLM,
+    AXK1Config,
     BambaConfig,
     BloomConfig,
     CodeGenConfig,
@@ -562,6 +563,13 @@ def make_config(kind: str = "llama", **overrides):
                                    "topk_group": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
                                    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw,
                                    "num_key_value_heads": kw["num_attention_heads"]})  # (MLA: as many)
+    # A.X-K1: deepseek_v3's layers (8 experts in 2 groups, 1 kept) whose routed layers norm their MLP's output.
+    if kind == "axk1":
+        return AXK1Config(**{"q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+                             "v_head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2,
+                             "moe_intermediate_size": 32, "n_group": 2, "topk_group": 1,
+                             "mlp_layer_types": ["dense", "sparse"], "pad_token_id": 0, "bos_token_id": 1,
+                             "eos_token_id": 2, **kw, "num_key_value_heads": kw["num_attention_heads"]})
     # GLM-4.7-Flash: DeepSeek-V3's MLA (as deepseek_v3's, rotary values in pairs) with GLM-4.5's experts:
     # 8 in one group, 2 a token, renormalised, times 1.8, a shared one, the first layer dense.
     if kind == "glm4_moe_lite":
@@ -780,7 +788,8 @@ def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides)
             # AFMoE's router starts at zero (every expert tied), its expert_bias too; its (and LFM3's, OLMo
             # Hybrid's) norms at one: drawn apart, so a norm misplaced, swapped or skipped shows.
             if (kind == "afmoe" and name.endswith(("router.gate.weight", "expert_bias", "norm.weight"))) \
-                    or (kind in ("lfm3", "hyperclovax") and name.endswith("norm.weight")):
+                    or (kind in ("lfm3", "hyperclovax") and name.endswith("norm.weight")) \
+                    or (kind == "axk1" and name.endswith("post_mlp_layernorm.weight")):
                 param.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.5)
             if kind == "olmo_hybrid" and name.endswith("layernorm.weight"):  # (its delta rule is touchy: less wide)
                 param.uniform_(0.75, 1.25)
