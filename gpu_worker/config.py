@@ -104,7 +104,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "HYV3ForCausalLM", "MiMoV2FlashForCausalLM", "GraniteSWAForCausalLM",
                            "GraniteMoeSWAForCausalLM", "Cohere2MoeForCausalLM", "Lfm3ForCausalLM",
                            "GPTNeoForCausalLM", "CodeGenForCausalLM", "OlmoHybridForCausalLM",
-                           "HyperCLOVAXForCausalLM", "AXK1ForCausalLM")
+                           "HyperCLOVAXForCausalLM", "AXK1ForCausalLM", "NanoChatForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -182,6 +182,10 @@ YOUTU_DEFAULTS = {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size"
 AXK1_DEFAULTS = {"vocab_size": 163840, "hidden_size": 7168, "intermediate_size": 18432, "num_hidden_layers": 61,
                  "num_attention_heads": 64, "num_key_value_heads": 64, "max_position_embeddings": 32768,
                  "rms_norm_eps": 1e-6, "bos_token_id": 163691, "eos_token_id": 163691}
+# transformers' NanoChatConfig defaults (a null kept: a null final_logit_softcapping is no cap).
+NANOCHAT_DEFAULTS = {"vocab_size": 50304, "hidden_size": 768, "intermediate_size": 8192, "num_hidden_layers": 12,
+                     "num_attention_heads": 6, "max_position_embeddings": 2048, "hidden_act": "relu2",
+                     "rms_norm_eps": 1e-6, "final_logit_softcapping": 15.0, "bos_token_id": 0, "eos_token_id": 1}
 # transformers' AfmoeConfig defaults (Trinity-Mini's; a null kept: a null sliding_window is no window,
 # a null head_dim hidden_size / heads); its experts' are _moe_from_dict's.
 AFMOE_DEFAULTS = {"vocab_size": 200192, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 32,
@@ -218,7 +222,8 @@ NULL_KEEPING_DEFAULTS = {"MiniCPM3ForCausalLM": MINICPM3_DEFAULTS, "Glm4MoeLiteF
                          "MiniCPM5MoeForCausalLM": MINICPM5_MOE_DEFAULTS, "YoutuForCausalLM": YOUTU_DEFAULTS,
                          "AfmoeForCausalLM": AFMOE_DEFAULTS, "LagunaForCausalLM": LAGUNA_DEFAULTS,
                          "MellumForCausalLM": MELLUM_DEFAULTS, "MiMoV2FlashForCausalLM": MIMO_V2_FLASH_DEFAULTS,
-                         "AXK1ForCausalLM": AXK1_DEFAULTS, **GRANITE_SWA_DEFAULTS}
+                         "AXK1ForCausalLM": AXK1_DEFAULTS, "NanoChatForCausalLM": NANOCHAT_DEFAULTS,
+                         **GRANITE_SWA_DEFAULTS}
 # Another spelling of an architecture's name in released configs, read as transformers reads it.
 ARCHITECTURE_SPELLINGS = {"MiniCPM5MoEForCausalLM": "MiniCPM5MoeForCausalLM",
                           "ExaoneMoEForCausalLM": "ExaoneMoeForCausalLM"}
@@ -316,7 +321,7 @@ LAYER_NORM_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM", "Starcode
 UNGATED_MLP_ARCHITECTURES = ("Starcoder2ForCausalLM", "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM",
                              *GPT_ARCHITECTURES, "OPTForCausalLM", "FalconForCausalLM", "ApertusForCausalLM",
                              "BloomForCausalLM", *MPT_ARCHITECTURES, "PersimmonForCausalLM", "Jais2ForCausalLM",
-                             "GPTNeoForCausalLM")
+                             "GPTNeoForCausalLM", "NanoChatForCausalLM")
 UNGATED_ACTIVATIONS = ("relu", "relu2", "gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh", "xielu")
 # transformers' Qwen3NextConfig defaults for the keys a Qwen3-Next config may leave out.
 QWEN3_NEXT_DEFAULTS = {"head_dim": 256, "partial_rotary_factor": 0.25, "linear_conv_kernel_dim": 4,
@@ -1029,6 +1034,14 @@ def _olmo3_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     if arch != "Olmo3ForCausalLM":
         return {}
     return {"local_rope_theta": _local_rope_theta(arch, cfg, float(cfg.get("rope_theta") or 500_000.0))}
+
+
+def _nanochat_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """nanochat's weightless norm over the embeddings and its logits' soft cap (null: none)."""
+    if arch != "NanoChatForCausalLM":
+        return {}
+    cap = cfg.get("final_logit_softcapping")
+    return {"embedding_norm": True, "final_logit_softcapping": None if cap is None else float(cap)}
 
 
 def _granite_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -3234,7 +3247,7 @@ class ModelConfig:
                              *HUNYUAN_ARCHITECTURES)
             or (arch == "Glm4MoeForCausalLM" and bool(cfg.get("use_qk_norm", False)))
             or arch in (*LFM2_ARCHITECTURES, *EXAONE_ARCHITECTURES, "ApertusForCausalLM", "AfmoeForCausalLM",
-                        *LAGUNA_ARCHITECTURES, "HYV3ForCausalLM")
+                        *LAGUNA_ARCHITECTURES, "HYV3ForCausalLM", "NanoChatForCausalLM")
             or (arch in ("PhiForCausalLM", "PersimmonForCausalLM") and bool(cfg.get("qk_layernorm"))),
             eos_token_ids=eos,
             sliding_window=int(sliding) if sliding else None,
@@ -3260,6 +3273,7 @@ class ModelConfig:
             **_smollm3_fields(arch, cfg, num_layers),
             **_olmo3_fields(arch, cfg),
             **_granite_fields(arch, cfg),
+            **_nanochat_fields(arch, cfg),
             **_minicpm_fields(arch, cfg),
             **hybrid,
             **_nemotron_h_fields(arch, cfg),

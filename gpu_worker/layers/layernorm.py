@@ -92,6 +92,17 @@ class ParameterFreeLayerNorm(LayerNorm):
         return F.layer_norm(x.float(), x.shape[-1:], None, None, self.eps).to(x.dtype)
 
 
+class WeightlessRMSNorm(RMSNorm):
+    """RMSNorm without a learnt weight (nanochat's, Llama 4's L2 norm): x / rms(x) in fp32, cast back.
+    Its weight is a buffer of ones, not read from a checkpoint, so RMSNorm's kernels serve it unchanged
+    (a product by one is exact)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__(hidden_size, eps)
+        del self.weight
+        self.register_buffer("weight", torch.ones(hidden_size), persistent=False)
+
+
 class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: the checkpoint stores w and the norm scales by (1 + w), all in fp32 before
     the cast back (Llama's casts first, then scales). The parameter holds 1 + w in fp32, so the fp32

@@ -93,22 +93,11 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     model_class = GemmaModel
 
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__(config)
-        self.final_logit_softcapping = config.final_logit_softcapping
-
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The table's rows times sqrt(hidden_size): what transformers' Gemma embedding module gives
         (``get_input_embeddings()(ids)``), so the prompt embeddings a client makes with it are the
         rows the model runs."""
         return self.model.embed_tokens.forward(input_ids) * self.model.embed_scale
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = super().compute_logits(hidden)
-        if logits is not None and self.final_logit_softcapping is not None:
-            cap = self.final_logit_softcapping
-            logits = torch.tanh(logits / cap).mul_(cap)
-        return logits
 
 
 class Gemma2ForCausalLM(GemmaForCausalLM):

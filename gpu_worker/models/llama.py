@@ -514,6 +514,9 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(hidden)
         if self.config.logits_scaling != 1.0 and logits is not None:  # (Granite)
             logits = logits / self.config.logits_scaling
+        cap = self.config.final_logit_softcapping  # (Gemma 2 / 3 / 3n / 4's, nanochat's)
+        if cap is not None and logits is not None:
+            logits = torch.tanh(logits / cap).mul_(cap)
         return logits
 
     def classify(self, pooled: torch.Tensor, per_token: bool = False) -> torch.Tensor:

@@ -93,6 +93,7 @@ from gpu_worker.models.minimax_m2 import MiniMaxM2ForCausalLM
 from gpu_worker.models.modernbert import ModernBertModel
 from gpu_worker.models.mpt import MPTForCausalLM, MptForCausalLM
 from gpu_worker.models.mtp import MTP_DRAFTERS
+from gpu_worker.models.nanochat import NanoChatForCausalLM
 from gpu_worker.models.nemotron_h import (
     FalconMambaForCausalLM,
     Mamba2ForCausalLM,
@@ -219,6 +220,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "HYV3ForCausalLM": HYV3ForCausalLM,
     "HyperCLOVAXForCausalLM": HyperCLOVAXForCausalLM,
     "AXK1ForCausalLM": AXK1ForCausalLM,
+    "NanoChatForCausalLM": NanoChatForCausalLM,
     "MiMoV2FlashForCausalLM": MiMoV2FlashForCausalLM,
     "GraniteSWAForCausalLM": GraniteSWAForCausalLM,
     "GraniteMoeSWAForCausalLM": GraniteMoeSWAForCausalLM,

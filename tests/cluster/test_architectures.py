@@ -26,7 +26,7 @@ KINDS = ["llama", "qwen2", "qwen3", "phi3", "mistral", "mixtral", "qwen2_moe", "
          "hunyuan_moe", "minicpm3", "minicpm5_moe", "glm4_moe_lite", "exaone_moe", "gemma3n", "gemma4",
          "jais2", "solar_open", "youtu", "afmoe", "laguna", "mellum", "hy_v3",
          "mimo_v2_flash", "granite_swa", "granitemoe_swa", "cohere2_moe", "gpt_neo", "codegen",
-         "hyperclovax", "axk1"]
+         "hyperclovax", "axk1", "nanochat"]
 # (Mistral's window of 8 keys is crossed by most prompts; Gemma 3 alternates windowed and full layers.)
 OVERRIDES = {"mistral": {"sliding_window": 8}, "cohere": {"use_qk_norm": True},
              "stablelm": {"use_parallel_residual": True, "qk_layernorm": True},

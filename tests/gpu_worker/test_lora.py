@@ -380,9 +380,10 @@ def test_an_adapter_on_glm4_gives_pefts_tokens(tmp_path):
     ("mimo_v2_flash", ("q_proj", "v_proj", "o_proj"), {}),
     ("codegen", ("qkv_proj", "out_proj", "fc_in"), {}),
     ("lfm3", ("q_proj", "g_proj", "o_proj", "w1", "w2"), {}),
+    ("nanochat", ("q_proj", "k_proj", "o_proj", "fc1", "fc2"), {}),
 ], ids=["arcee", "starcoder2", "llama4", "phi", "gpt_neox", "gpt2", "gpt_bigcode_multi_head", "gptj", "opt",
         "falcon_40b_style", "bloom", "mpt", "minicpm5_moe", "minicpm3", "gemma3n", "gemma4", "mimo_v2_flash",
-        "codegen", "lfm3"])
+        "codegen", "lfm3", "nanochat"])
 def test_adapters_on_ungated_mlps_and_renamed_projections_give_pefts_tokens(tmp_path, kind, targets, overrides):
     """Arcee's, StarCoder2's, Phi's, GPT-NeoX's, the GPT family's and OPT's ungated MLPs (their
     projections looked up where LoRA wraps them), projections of other names (Llama 4's feed_forward:
@@ -397,7 +398,8 @@ def test_adapters_on_ungated_mlps_and_renamed_projections_give_pefts_tokens(tmp_
     their own, no fused q/k/v), CodeGen's qkv_proj (four blocks of q, v, k rows: B's rows split as
     the weight's), LFM3's (transformers' g_proj: our gate_proj; feed_forward.w1 / w2: our MLP's),
     MiMo-V2-Flash's v_proj (B's rows padded per head to the keys' width, as
-    the weight's): each adapter gives PEFT's tokens."""
+    the weight's), nanochat's q and k (B's rows' head halves swapped, as the weight's) and fc1 / fc2:
+    each adapter gives PEFT's tokens."""
     base = save_tiny_model(tmp_path / "base", kind, vocab_size=251, **overrides)
     save_adapter(base, tmp_path / "a", seed=9, targets=targets)
     adapters, prompts, expected = _adapter_a_expectations(base, tmp_path, adapter_seed=9, prompt_seed=19,

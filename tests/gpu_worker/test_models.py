@@ -150,6 +150,12 @@ CASES = {
     "olmo_hybrid_defaults": ("olmo_hybrid", {"linear_num_key_heads": None, "linear_num_value_heads": None,
                                              "linear_key_head_dim": None, "linear_value_head_dim": None,
                                              "layer_types": None, "num_hidden_layers": 5}),
+    # nanochat: weightless norms (over the embeddings too), relu^2 fc1/fc2, RoPE the other way round, q/k
+    # normed after it, capped logits; uncapped, tied, one KV head; biased attention, a tight cap.
+    "nanochat": ("nanochat", {}),
+    "nanochat_uncapped_tied_mqa": ("nanochat", {"final_logit_softcapping": None, "tie_word_embeddings": True,
+                                                "num_key_value_heads": 1}),
+    "nanochat_biases_tight_cap": ("nanochat", {"final_logit_softcapping": 2.0, "attention_bias": True}),
     # A.X-K1: DeepSeek-V3 whose routed layers norm their MLP's output; rotary values in halves, tied,
     # every layer routed.
     "axk1": ("axk1", {}),
@@ -677,7 +683,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "HYV3ForCausalLM", "MiMoV2FlashForCausalLM", "GraniteSWAForCausalLM",
                                    "GraniteMoeSWAForCausalLM", "Cohere2MoeForCausalLM", "Lfm3ForCausalLM",
                                    "GPTNeoForCausalLM", "CodeGenForCausalLM", "OlmoHybridForCausalLM",
-                                   "HyperCLOVAXForCausalLM", "AXK1ForCausalLM",
+                                   "HyperCLOVAXForCausalLM", "AXK1ForCausalLM", "NanoChatForCausalLM",
                                    "BertModel",
                                    "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
@@ -1750,6 +1756,23 @@ def test_axk1_config_as_released():
     assert [stated.layer_is_moe(i) for i in range(3)] == [True, False, True]
     with pytest.raises(ValueError, match="query LoRA"):
         ModelConfig.from_dict({**released, "q_lora_rank": None})
+
+
+def test_nanochat_config_as_released():
+    """nanochat's config as transformers' NanoChatConfig describes it: 12 layers of 768, 6 heads (as many KV
+    heads unless stated), an ungated relu^2 MLP of 8192, weightless norms (one over the embeddings), the
+    logits capped at 15 (a stated null: none), untied; another activation refused."""
+    released = {"architectures": ["NanoChatForCausalLM"]}
+    config = ModelConfig.from_dict(released)
+    assert (config.vocab_size, config.hidden_size, config.intermediate_size, config.num_hidden_layers) == \
+        (50304, 768, 8192, 12)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (6, 6, 128)
+    assert config.hidden_act == "relu2" and config.qk_norm and config.embedding_norm
+    assert config.final_logit_softcapping == 15.0 and not config.tie_word_embeddings
+    assert config.rms_norm_eps == 1e-6 and config.eos_token_ids == (1,) and config.rope_theta == 10000.0
+    assert ModelConfig.from_dict({**released, "final_logit_softcapping": None}).final_logit_softcapping is None
+    with pytest.raises(ValueError, match="hidden_act"):
+        ModelConfig.from_dict({**released, "hidden_act": "swiglu"})
 
 
 def test_solar_open_config_as_released():

@@ -81,6 +81,7 @@ from transformers import (
     MistralConfig,
     MixtralConfig,
     MptConfig,
+    NanoChatConfig,
     NemotronConfig,
     NemotronHConfig,
     Olmo2Config,
@@ -563,6 +564,10 @@ def make_config(kind: str = "llama", **overrides):
                                    "topk_group": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
                                    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw,
                                    "num_key_value_heads": kw["num_attention_heads"]})  # (MLA: as many)
+    # nanochat: weightless norms (one over the embeddings too), relu^2 fc1/fc2, RoPE turning the other way,
+    # q/k normed after it, logits capped at 15 (the logits here reach beyond it).
+    if kind == "nanochat":
+        return NanoChatConfig(**{"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
     # A.X-K1: deepseek_v3's layers (8 experts in 2 groups, 1 kept) whose routed layers norm their MLP's output.
     if kind == "axk1":
         return AXK1Config(**{"q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
