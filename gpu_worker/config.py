@@ -104,7 +104,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "HYV3ForCausalLM", "MiMoV2FlashForCausalLM", "GraniteSWAForCausalLM",
                            "GraniteMoeSWAForCausalLM", "Cohere2MoeForCausalLM", "Lfm3ForCausalLM",
                            "GPTNeoForCausalLM", "CodeGenForCausalLM", "OlmoHybridForCausalLM",
-                           "HyperCLOVAXForCausalLM", "AXK1ForCausalLM", "NanoChatForCausalLM")
+                           "HyperCLOVAXForCausalLM", "AXK1ForCausalLM", "NanoChatForCausalLM",
+                           "Kolibri1ForCausalLM", "FlintForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -186,6 +187,14 @@ AXK1_DEFAULTS = {"vocab_size": 163840, "hidden_size": 7168, "intermediate_size":
 NANOCHAT_DEFAULTS = {"vocab_size": 50304, "hidden_size": 768, "intermediate_size": 8192, "num_hidden_layers": 12,
                      "num_attention_heads": 6, "max_position_embeddings": 2048, "hidden_act": "relu2",
                      "rms_norm_eps": 1e-6, "final_logit_softcapping": 15.0, "bos_token_id": 0, "eos_token_id": 1}
+# transformers' Kolibri1Config and FlintConfig defaults (a null kept: a null sliding_window is no window,
+# refused where layer_types has windowed layers); their experts' are _moe_from_dict's.
+KOLIBRI1_DEFAULTS = {"vocab_size": 128000, "hidden_size": 2560, "intermediate_size": 0, "num_hidden_layers": 50,
+                     "num_attention_heads": 48, "num_key_value_heads": 4, "head_dim": 128,
+                     "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "sliding_window": 513}
+FLINT_DEFAULTS = {"vocab_size": 150144, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 49,
+                  "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                  "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "sliding_window": 513}
 # transformers' AfmoeConfig defaults (Trinity-Mini's; a null kept: a null sliding_window is no window,
 # a null head_dim hidden_size / heads); its experts' are _moe_from_dict's.
 AFMOE_DEFAULTS = {"vocab_size": 200192, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 32,
@@ -223,6 +232,7 @@ NULL_KEEPING_DEFAULTS = {"MiniCPM3ForCausalLM": MINICPM3_DEFAULTS, "Glm4MoeLiteF
                          "AfmoeForCausalLM": AFMOE_DEFAULTS, "LagunaForCausalLM": LAGUNA_DEFAULTS,
                          "MellumForCausalLM": MELLUM_DEFAULTS, "MiMoV2FlashForCausalLM": MIMO_V2_FLASH_DEFAULTS,
                          "AXK1ForCausalLM": AXK1_DEFAULTS, "NanoChatForCausalLM": NANOCHAT_DEFAULTS,
+                         "Kolibri1ForCausalLM": KOLIBRI1_DEFAULTS, "FlintForCausalLM": FLINT_DEFAULTS,
                          **GRANITE_SWA_DEFAULTS}
 # Another spelling of an architecture's name in released configs, read as transformers reads it.
 ARCHITECTURE_SPELLINGS = {"MiniCPM5MoEForCausalLM": "MiniCPM5MoeForCausalLM",
@@ -1681,9 +1691,27 @@ def _exaone4_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _exaone4_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    if arch not in EXAONE_ARCHITECTURES or not cfg.get("sliding_window"):
-        return {}
-    return {"rope_layers": tuple(kind == "sliding_attention" for kind in cfg["layer_types"])}
+    """EXAONE 4.0's, K-EXAONE's and Kolibri 1's windowed layers rotate and their full ones attend without
+    positions, where the model has a window; Flint's alike, whatever the window."""
+    if arch == "FlintForCausalLM" or (arch in (*EXAONE_ARCHITECTURES, "Kolibri1ForCausalLM")
+                                      and cfg.get("sliding_window")):
+        return {"rope_layers": tuple(kind == "sliding_attention" for kind in cfg["layer_types"])}
+    return {}
+
+
+def _kolibri1_flint_config(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Kolibri 1's and Flint's layer kinds as transformers' configs default them (Kolibri: every fifth
+    layer full; Flint: the first two, every fourth from the second and the last full); windowed layers
+    without a window refused, as transformers refuses them (Kolibri) or cannot build their cache."""
+    num_layers = int(cfg["num_hidden_layers"])
+    kinds = cfg.get("layer_types")
+    if not isinstance(kinds, list):
+        full = ((lambda i: (i + 1) % 5 == 0) if arch == "Kolibri1ForCausalLM"
+                else (lambda i: i < 2 or i % 4 == 1 or i == num_layers - 1))
+        kinds = ["full_attention" if full(i) else "sliding_attention" for i in range(num_layers)]
+    if "sliding_attention" in kinds and not cfg.get("sliding_window"):
+        raise ValueError(f"{arch}'s sliding_attention layers need a positive sliding_window")
+    return {**cfg, "layer_types": kinds}
 
 
 def _cohere_config(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -2522,6 +2550,31 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
         return dict(num_experts=num_experts, num_experts_per_tok=read("num_experts_per_tok", 2),
                     moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True,
                     shared_expert_intermediate_size=shared, shared_expert_gated=False)
+    if arch == "Kolibri1ForCausalLM":
+        # Kolibri 1's: routed experts in every layer, chosen by the router's logits plus the correction
+        # bias (no groups), weighted by their sigmoids, renormalised under norm_topk_prob (off by
+        # default); beside an ungated shared expert of shared_expert_intermediate_size.
+        return dict(num_experts=read("num_experts", 384, "num_local_experts"),
+                    num_experts_per_tok=read("num_experts_per_tok", 6),
+                    moe_intermediate_size=read("moe_intermediate_size", 512),
+                    norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                    shared_expert_intermediate_size=read("shared_expert_intermediate_size", 512),
+                    shared_expert_gated=False, moe_grouped_topk=True, moe_scoring="sigmoid_logits",
+                    moe_correction_bias=True, moe_layers=(True,) * num_layers)
+    if arch == "FlintForCausalLM":
+        # Flint's: Qwen-MoE's layer rule (dense in mlp_only_layers, by default the first two, and off
+        # decoder_sparse_step), experts chosen by their sigmoid scores (no bias, no groups), renormalised
+        # under norm_topk_prob (on by default), beside an ungated shared expert.
+        num_experts = read("num_experts", 256, "num_local_experts")
+        step = read("decoder_sparse_step", 1) or 1
+        dense = set(cfg["mlp_only_layers"] if isinstance(cfg.get("mlp_only_layers"), list) else (0, 1))
+        return dict(num_experts=num_experts, num_experts_per_tok=read("num_experts_per_tok", 6),
+                    moe_intermediate_size=read("moe_intermediate_size", 512),
+                    norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                    shared_expert_intermediate_size=read("shared_expert_intermediate_size", 1024),
+                    shared_expert_gated=False, moe_grouped_topk=True, moe_scoring="sigmoid",
+                    moe_layers=tuple(num_experts > 0 and i not in dense and (i + 1) % step == 0
+                                     for i in range(num_layers)))
     if arch == "Qwen2MoeForCausalLM":
         defaults = {"num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408}
         shared = read("shared_expert_intermediate_size", 5632)
@@ -2601,7 +2654,8 @@ class ModelConfig:
     # weights times routed_scaling_factor. Otherwise the softmax's top k (Mixtral, Qwen, GPT-OSS).
     moe_grouped_topk: bool = False
     # ("sparsemixer": Phi-3.5-MoE's two picks, each a softmax over the experts within 2 x
-    # sparsemixer_jitter_eps (relative) of its logit.)
+    # sparsemixer_jitter_eps (relative) of its logit; "sigmoid_logits": Kolibri's, chosen by the logits
+    # plus the correction bias, weighted by their sigmoids.)
     moe_scoring: str = "softmax"
     sparsemixer_jitter_eps: float = 0.0
     moe_correction_bias: bool = False
@@ -3027,6 +3081,8 @@ class ModelConfig:
             cfg = _granite_swa_config(arch, cfg)
         if arch == "OlmoHybridForCausalLM":
             cfg = _olmo_hybrid_config(cfg)
+        if arch in ("Kolibri1ForCausalLM", "FlintForCausalLM"):
+            cfg = _kolibri1_flint_config(arch, cfg)
         if arch == "MiniCPMForCausalLM":
             cfg = _minicpm_config(cfg)
         if arch in ("InternLM2ForCausalLM", "InternLM3ForCausalLM"):
@@ -3182,7 +3238,8 @@ class ModelConfig:
                                                              "AfmoeForCausalLM", *LAGUNA_ARCHITECTURES,
                                                              "MiMoV2FlashForCausalLM", *GRANITE_SWA_ARCHITECTURES,
                                                              "Cohere2MoeForCausalLM", "Lfm3ForCausalLM",
-                                                             "GPTNeoForCausalLM",
+                                                             "GPTNeoForCausalLM", "Kolibri1ForCausalLM",
+                                                             "FlintForCausalLM",
                                                              "Starcoder2ForCausalLM") else None)
             if arch == "SmolLM3ForCausalLM" and cfg.get("use_sliding_window"):
                 sliding = cfg.get("sliding_window")
@@ -3247,7 +3304,8 @@ class ModelConfig:
                              *HUNYUAN_ARCHITECTURES)
             or (arch == "Glm4MoeForCausalLM" and bool(cfg.get("use_qk_norm", False)))
             or arch in (*LFM2_ARCHITECTURES, *EXAONE_ARCHITECTURES, "ApertusForCausalLM", "AfmoeForCausalLM",
-                        *LAGUNA_ARCHITECTURES, "HYV3ForCausalLM", "NanoChatForCausalLM")
+                        *LAGUNA_ARCHITECTURES, "HYV3ForCausalLM", "NanoChatForCausalLM", "Kolibri1ForCausalLM",
+                        "FlintForCausalLM")
             or (arch in ("PhiForCausalLM", "PersimmonForCausalLM") and bool(cfg.get("qk_layernorm"))),
             eos_token_ids=eos,
             sliding_window=int(sliding) if sliding else None,
@@ -3269,7 +3327,7 @@ class ModelConfig:
             **moe,
             **_gemma_from_dict(arch, cfg),
             llama_4_scaling=_llama_4_scaling(arch, cfg),
-            attention_sinks=arch in ("GptOssForCausalLM", *GRANITE_SWA_ARCHITECTURES),
+            attention_sinks=arch in ("GptOssForCausalLM", *GRANITE_SWA_ARCHITECTURES, "FlintForCausalLM"),
             **_smollm3_fields(arch, cfg, num_layers),
             **_olmo3_fields(arch, cfg),
             **_granite_fields(arch, cfg),

@@ -60,11 +60,13 @@ def select_experts_grouped(router_logits: torch.Tensor, top_k: int, renormalize:
     ``num_groups`` equal groups of experts (a group ranked by the sum of its two best biased scores;
     by its best without a bias), then the top k within them; the weights are the chosen experts'
     unbiased scores, renormalised where the model does so, times ``scaling_factor``. DeepSeek-V2's
-    (``scoring`` "softmax"): the scores are the softmax over all experts, without a bias.
-    Returns (weights [tokens, top_k] fp32, expert ids [tokens, top_k])."""
+    (``scoring`` "softmax"): the scores are the softmax over all experts, without a bias. Kolibri's
+    ("sigmoid_logits"): the choice reads the logits (not their sigmoids) plus the bias, the weights are
+    the sigmoids. Returns (weights [tokens, top_k] fp32, expert ids [tokens, top_k])."""
     logits = router_logits.float()
-    scores = torch.sigmoid(logits) if scoring == "sigmoid" else torch.softmax(logits, dim=-1)
-    choice = scores if correction_bias is None else scores + correction_bias
+    scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
+    choice = logits if scoring == "sigmoid_logits" else scores
+    choice = choice if correction_bias is None else choice + correction_bias
     if num_groups > 1 and topk_groups < num_groups:
         grouped = choice.view(choice.shape[0], num_groups, -1)
         group_scores = (grouped.topk(2, dim=-1)[0].sum(dim=-1) if correction_bias is not None

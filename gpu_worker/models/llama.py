@@ -669,9 +669,10 @@ class MiniCPMForCausalLM(LlamaForCausalLM):
 
 def sinks_under_attention(weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
     """A checkpoint's attention sinks (``self_attn.sinks``; MiMo-V2-Flash's released
-    ``self_attn.attention_sink_bias``) read as PagedAttention's (``self_attn.attn.sinks``)."""
+    ``self_attn.attention_sink_bias``, Flint's ``self_attn.softmax_offset``) read as PagedAttention's
+    (``self_attn.attn.sinks``)."""
     for name, tensor in weights:
-        if name.endswith((".self_attn.sinks", ".self_attn.attention_sink_bias")):
+        if name.endswith((".self_attn.sinks", ".self_attn.attention_sink_bias", ".self_attn.softmax_offset")):
             name = name.rsplit(".", 1)[0] + ".attn.sinks"
         yield name, tensor
 
@@ -683,6 +684,18 @@ class GraniteSWAForCausalLM(GraniteForCausalLM):
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         return sinks_under_attention(weights)
+
+
+class FlintForCausalLM(LlamaForCausalLM):
+    """RecursiveSI's Flint (FlintForCausalLM): Qwen3-MoE's attention (per-head q/k norms) with a learnt
+    sink per query head in every layer, the windowed layers rotating and the full ones attending without
+    positions; dense MLPs in mlp_only_layers, elsewhere routed experts chosen by their sigmoid scores
+    (renormalised) beside an ungated shared expert; its sinks read as released (``softmax_offset``) or
+    under transformers' name."""
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
+        return sinks_under_attention((name.replace(".mlp.shared_expert.", ".mlp.shared_experts."), tensor)
+                                     for name, tensor in weights)
 
 
 class GraniteMoeForCausalLM(GraniteForCausalLM):

@@ -38,7 +38,7 @@ from gpu_worker.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaF
 from gpu_worker.models.gemma3_vl import Gemma3VLForConditionalGeneration
 from gpu_worker.models.gemma3n import Gemma3nForCausalLM
 from gpu_worker.models.gemma4 import Gemma4ForCausalLM
-from gpu_worker.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
+from gpu_worker.models.glm4 import Glm4ForCausalLM, GlmForCausalLM, Kolibri1ForCausalLM
 from gpu_worker.models.gpt2 import (
     CodeGenForCausalLM,
     GPT2LMHeadModel,
@@ -59,6 +59,7 @@ from gpu_worker.models.llama import (
     BambaForCausalLM,
     CwmForCausalLM,
     Dots1ForCausalLM,
+    FlintForCausalLM,
     Glm4MoeForCausalLM,
     GraniteForCausalLM,
     GraniteMoeForCausalLM,
@@ -221,6 +222,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "HyperCLOVAXForCausalLM": HyperCLOVAXForCausalLM,
     "AXK1ForCausalLM": AXK1ForCausalLM,
     "NanoChatForCausalLM": NanoChatForCausalLM,
+    "Kolibri1ForCausalLM": Kolibri1ForCausalLM,
+    "FlintForCausalLM": FlintForCausalLM,
     "MiMoV2FlashForCausalLM": MiMoV2FlashForCausalLM,
     "GraniteSWAForCausalLM": GraniteSWAForCausalLM,
     "GraniteMoeSWAForCausalLM": GraniteMoeSWAForCausalLM,

@@ -156,6 +156,18 @@ CASES = {
     "nanochat_uncapped_tied_mqa": ("nanochat", {"final_logit_softcapping": None, "tie_word_embeddings": True,
                                                 "num_key_value_heads": 1}),
     "nanochat_biases_tight_cap": ("nanochat", {"final_logit_softcapping": 2.0, "attention_bias": True}),
+    # Kolibri 1: GLM-4's four norms, EXAONE 4's attention (windowed layers rotate, full ones without
+    # positions), experts chosen by logit plus the correction bias and weighted by sigmoid beside a shared
+    # one; renormalised, the layer kinds the other way round, tied.
+    "kolibri1": ("kolibri1", {}),
+    "kolibri1_renormalised_full_first_tied": ("kolibri1", {"norm_topk_prob": True, "tie_word_embeddings": True,
+                                                           "layer_types": ["full_attention", "sliding_attention"]}),
+    # Flint: sinks in every layer, windowed layers rotating and full ones without positions, a dense first
+    # layer then sigmoid-chosen experts beside a shared one; every layer routed, unnormalised, one KV head.
+    "flint": ("flint", {}),
+    "flint_all_routed_unnormalised_mqa": ("flint", {"layer_types": ["sliding_attention", "full_attention"],
+                                                    "mlp_only_layers": [], "norm_topk_prob": False,
+                                                    "num_key_value_heads": 1}),
     # A.X-K1: DeepSeek-V3 whose routed layers norm their MLP's output; rotary values in halves, tied,
     # every layer routed.
     "axk1": ("axk1", {}),
@@ -684,6 +696,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "GraniteMoeSWAForCausalLM", "Cohere2MoeForCausalLM", "Lfm3ForCausalLM",
                                    "GPTNeoForCausalLM", "CodeGenForCausalLM", "OlmoHybridForCausalLM",
                                    "HyperCLOVAXForCausalLM", "AXK1ForCausalLM", "NanoChatForCausalLM",
+                                   "Kolibri1ForCausalLM", "FlintForCausalLM",
                                    "BertModel",
                                    "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
@@ -1107,7 +1120,7 @@ def test_multi_token_prediction_layers_are_not_read_by_the_model(tmp_path, kind)
 
 @pytest.mark.parametrize("kind", ["granitemoe", "minimax_m2", "mixtral", "olmoe", "flex_olmo", "hunyuan_moe", "hy_v3",
                                   "laguna", "afmoe", "mimo_v2_flash", "solar_open", "mellum", "cohere2_moe",
-                                  "axk1"])
+                                  "axk1", "kolibri1", "flint"])
 def test_moe_checkpoints_in_transformers_own_layout_load_too(tmp_path, kind):
     """Saved with transformers 5's own names (save_original_format=False: stacked experts, its router
     and bias names) rather than the released ones: the same logits."""
@@ -1773,6 +1786,48 @@ def test_nanochat_config_as_released():
     assert ModelConfig.from_dict({**released, "final_logit_softcapping": None}).final_logit_softcapping is None
     with pytest.raises(ValueError, match="hidden_act"):
         ModelConfig.from_dict({**released, "hidden_act": "swiglu"})
+
+
+def test_kolibri1_config_as_released():
+    """Kolibri-1's config as transformers' Kolibri1Config describes it: 50 layers of 2560, every fifth full
+    (attending without positions) and the others windowed (513, rotating), 48 query heads of 128 over 4 KV
+    heads with per-head q/k norms; 384 experts of 512 in every layer, 6 a token, chosen by logit plus the
+    correction bias, weighted by sigmoid, not renormalised, beside a shared expert of 512. Windowed
+    layers without a window are refused, as transformers refuses them."""
+    released = {"architectures": ["Kolibri1ForCausalLM"]}
+    config = ModelConfig.from_dict(released)
+    assert config.num_hidden_layers == 50 and config.sliding_window == 513
+    assert config.sliding_window_layers[:5] == (True, True, True, True, False)
+    assert config.rope_layers == config.sliding_window_layers and config.qk_norm
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (48, 4, 128)
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (384, 6, 512)
+    assert all(config.layer_is_moe(i) for i in range(50)) and config.shared_expert_intermediate_size == 512
+    assert config.moe_scoring == "sigmoid_logits" and config.moe_correction_bias and not config.norm_topk_prob
+    assert not config.shared_expert_gated and config.routed_scaling_factor == 1.0
+    assert (config.vocab_size, config.max_context_len, config.eos_token_ids) == (128000, 262144, ())
+    with pytest.raises(ValueError, match="sliding_window"):
+        ModelConfig.from_dict({**released, "sliding_window": None})
+
+
+def test_flint_config_as_released():
+    """Flint's config as transformers' FlintConfig describes it: 49 layers, the first two, every fourth from
+    the second and the last full (attending without positions), the others windowed (513, rotating); a
+    sink per query head; the first two layers dense (6144), then 256 experts of 512, 6 a token by sigmoid,
+    renormalised, beside an ungated shared expert of 1024."""
+    released = {"architectures": ["FlintForCausalLM"]}
+    config = ModelConfig.from_dict(released)
+    full = [i for i in range(49) if not config.sliding_window_layers[i]]
+    assert full == [0, 1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 48] and config.sliding_window == 513
+    assert config.rope_layers == config.sliding_window_layers and config.attention_sinks and config.qk_norm
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (32, 4, 128)
+    assert [config.layer_is_moe(i) for i in (0, 1, 2, 48)] == [False, False, True, True]
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (256, 6, 512)
+    assert config.moe_scoring == "sigmoid" and not config.moe_correction_bias and config.norm_topk_prob
+    assert config.shared_expert_intermediate_size == 1024 and not config.shared_expert_gated
+    assert (config.vocab_size, config.hidden_size, config.intermediate_size) == (150144, 2048, 6144)
+    stepped = ModelConfig.from_dict({**released, "num_hidden_layers": 4, "mlp_only_layers": [],
+                                     "decoder_sparse_step": 2, "layer_types": ["full_attention"] * 4})
+    assert [stepped.layer_is_moe(i) for i in range(4)] == [False, True, False, True]
 
 
 def test_solar_open_config_as_released():

@@ -35,6 +35,7 @@ from transformers import (
     FalconH1Config,
     FalconMambaConfig,
     FlexOlmoConfig,
+    FlintConfig,
     Gemma2Config,
     Gemma3Config,
     Gemma3nTextConfig,
@@ -64,6 +65,7 @@ from transformers import (
     HYV3Config,
     Jais2Config,
     JambaConfig,
+    Kolibri1Config,
     LagunaConfig,
     Lfm2Config,
     Lfm2MoeConfig,
@@ -568,6 +570,22 @@ def make_config(kind: str = "llama", **overrides):
     # q/k normed after it, logits capped at 15 (the logits here reach beyond it).
     if kind == "nanochat":
         return NanoChatConfig(**{"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
+    # Kolibri 1: GLM-4's four norms, EXAONE 4's attention (a window of 8 on the first layer, which rotates;
+    # the second full, without positions), 8 experts of 32 in every layer (2 a token, chosen by logit plus
+    # the correction bias, weighted by sigmoid) beside a shared one.
+    if kind == "kolibri1":
+        return Kolibri1Config(**{"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                 "shared_expert_intermediate_size": 48, "head_dim": 16, "sliding_window": 8,
+                                 "layer_types": ["sliding_attention", "full_attention"], "pad_token_id": 0,
+                                 "bos_token_id": 1, "eos_token_id": 2, **kw})
+    # Flint: Qwen3-MoE's attention with a sink per query head, a window of 8 on the second layer (which
+    # rotates; the first full, without positions), the first layer dense, then 8 experts of 32 (2 a token
+    # by sigmoid, renormalised) beside a shared one.
+    if kind == "flint":
+        return FlintConfig(**{"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                              "shared_expert_intermediate_size": 48, "head_dim": 16, "sliding_window": 8,
+                              "layer_types": ["full_attention", "sliding_attention"], "mlp_only_layers": [0],
+                              "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
     # A.X-K1: deepseek_v3's layers (8 experts in 2 groups, 1 kept) whose routed layers norm their MLP's output.
     if kind == "axk1":
         return AXK1Config(**{"q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
@@ -794,7 +812,8 @@ def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides)
             # Hybrid's) norms at one: drawn apart, so a norm misplaced, swapped or skipped shows.
             if (kind == "afmoe" and name.endswith(("router.gate.weight", "expert_bias", "norm.weight"))) \
                     or (kind in ("lfm3", "hyperclovax") and name.endswith("norm.weight")) \
-                    or (kind == "axk1" and name.endswith("post_mlp_layernorm.weight")):
+                    or (kind == "axk1" and name.endswith("post_mlp_layernorm.weight")) \
+                    or (kind in ("kolibri1", "flint") and name.endswith(("norm.weight", "sinks"))):
                 param.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.5)
             if kind == "olmo_hybrid" and name.endswith("layernorm.weight"):  # (its delta rule is touchy: less wide)
                 param.uniform_(0.75, 1.25)
