@@ -105,7 +105,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "GraniteMoeSWAForCausalLM", "Cohere2MoeForCausalLM", "Lfm3ForCausalLM",
                            "GPTNeoForCausalLM", "CodeGenForCausalLM", "OlmoHybridForCausalLM",
                            "HyperCLOVAXForCausalLM", "AXK1ForCausalLM", "NanoChatForCausalLM",
-                           "Kolibri1ForCausalLM", "FlintForCausalLM")
+                           "Kolibri1ForCausalLM", "FlintForCausalLM", "BeamForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -195,6 +195,10 @@ KOLIBRI1_DEFAULTS = {"vocab_size": 128000, "hidden_size": 2560, "intermediate_si
 FLINT_DEFAULTS = {"vocab_size": 150144, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 49,
                   "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
                   "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "sliding_window": 513}
+# transformers' BeamConfig defaults (a null kept: a null final_logit_softcapping is no cap).
+BEAM_DEFAULTS = {"vocab_size": 151936, "hidden_size": 5120, "intermediate_size": 20480, "num_hidden_layers": 52,
+                 "num_attention_heads": 48, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 8192,
+                 "rms_norm_eps": 1e-6, "sliding_window": 512, "final_logit_softcapping": 30.0}
 # transformers' AfmoeConfig defaults (Trinity-Mini's; a null kept: a null sliding_window is no window,
 # a null head_dim hidden_size / heads); its experts' are _moe_from_dict's.
 AFMOE_DEFAULTS = {"vocab_size": 200192, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 32,
@@ -233,6 +237,7 @@ NULL_KEEPING_DEFAULTS = {"MiniCPM3ForCausalLM": MINICPM3_DEFAULTS, "Glm4MoeLiteF
                          "MellumForCausalLM": MELLUM_DEFAULTS, "MiMoV2FlashForCausalLM": MIMO_V2_FLASH_DEFAULTS,
                          "AXK1ForCausalLM": AXK1_DEFAULTS, "NanoChatForCausalLM": NANOCHAT_DEFAULTS,
                          "Kolibri1ForCausalLM": KOLIBRI1_DEFAULTS, "FlintForCausalLM": FLINT_DEFAULTS,
+                         "BeamForCausalLM": BEAM_DEFAULTS,
                          **GRANITE_SWA_DEFAULTS}
 # Another spelling of an architecture's name in released configs, read as transformers reads it.
 ARCHITECTURE_SPELLINGS = {"MiniCPM5MoEForCausalLM": "MiniCPM5MoeForCausalLM",
@@ -1047,11 +1052,41 @@ def _olmo3_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _nanochat_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """nanochat's weightless norm over the embeddings and its logits' soft cap (null: none)."""
-    if arch != "NanoChatForCausalLM":
+    """nanochat's weightless norm over the embeddings, and its and Beam's logits' soft cap (null: none)."""
+    if arch not in ("NanoChatForCausalLM", "BeamForCausalLM"):
         return {}
     cap = cfg.get("final_logit_softcapping")
-    return {"embedding_norm": True, "final_logit_softcapping": None if cap is None else float(cap)}
+    return {"embedding_norm": arch == "NanoChatForCausalLM",
+            "final_logit_softcapping": None if cap is None else float(cap)}
+
+
+def _beam_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Beam's layer kinds and RoPE as transformers' BeamConfig reads them: five windowed layers of six and
+    the last full where layer_types is absent, the first three MLPs dense where mlp_layer_types is; the
+    windowed layers' rope parameters the model's (base 10,000 unless stated), the full layers' null (no
+    positions: a RoPE of their own is refused)."""
+    num_layers = int(cfg["num_hidden_layers"])
+    kinds = cfg.get("layer_types")
+    if not isinstance(kinds, list):
+        kinds = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(num_layers)]
+        kinds[-1] = "full_attention"
+    mlp_kinds = cfg.get("mlp_layer_types")
+    if not isinstance(mlp_kinds, list):
+        dense = min(3, num_layers)
+        mlp_kinds = ["dense"] * dense + ["sparse"] * (num_layers - dense)
+    if len(mlp_kinds) != num_layers or not set(mlp_kinds) <= {"dense", "sparse"}:
+        raise ValueError(f"mlp_layer_types must name 'dense' or 'sparse' for each of the {num_layers} layers, "
+                         f"got {mlp_kinds}")
+    if "sliding_attention" in kinds and not cfg.get("sliding_window"):
+        raise ValueError("BeamForCausalLM's sliding_attention layers need a sliding_window")
+    params = cfg.get("rope_parameters")
+    if not isinstance(params, dict) or not params:
+        params = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}, "full_attention": None}
+    if params.get("full_attention") is not None:
+        raise ValueError("BeamForCausalLM's full_attention layers with a RoPE of their own are not served (its "
+                         "full layers attend without positions)")
+    local = params.get("sliding_attention") or {"rope_type": "default", "rope_theta": 10000.0}
+    return {**cfg, "layer_types": kinds, "mlp_layer_types": mlp_kinds, "rope_parameters": dict(local)}
 
 
 def _granite_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -1693,7 +1728,7 @@ def _exaone4_config(cfg: dict[str, Any]) -> dict[str, Any]:
 def _exaone4_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """EXAONE 4.0's, K-EXAONE's and Kolibri 1's windowed layers rotate and their full ones attend without
     positions, where the model has a window; Flint's alike, whatever the window."""
-    if arch == "FlintForCausalLM" or (arch in (*EXAONE_ARCHITECTURES, "Kolibri1ForCausalLM")
+    if arch in ("FlintForCausalLM", "BeamForCausalLM") or (arch in (*EXAONE_ARCHITECTURES, "Kolibri1ForCausalLM")
                                       and cfg.get("sliding_window")):
         return {"rope_layers": tuple(kind == "sliding_attention" for kind in cfg["layer_types"])}
     return {}
@@ -2550,6 +2585,21 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
         return dict(num_experts=num_experts, num_experts_per_tok=read("num_experts_per_tok", 2),
                     moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True,
                     shared_expert_intermediate_size=shared, shared_expert_gated=False)
+    if arch == "BeamForCausalLM":
+        # Beam's: routed experts where mlp_layer_types says sparse, chosen by DeepSeek-V3's grouped
+        # sigmoid routing through the correction bias (8 groups, 4 kept by default), renormalised, times
+        # routed_scaling_factor; no shared experts.
+        num_experts = read("num_experts", 256, "num_local_experts")
+        groups, kept = read("n_group", 8) or 1, read("topk_group", 4) or 1
+        if num_experts % groups or not 0 < kept <= groups:
+            raise ValueError(f"n_group ({groups}) must divide num_experts ({num_experts}), and topk_group "
+                             f"({kept}) be between 1 and n_group")
+        return dict(num_experts=num_experts, num_experts_per_tok=read("num_experts_per_tok", 8),
+                    moe_intermediate_size=read("moe_intermediate_size", 2560),
+                    norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), moe_grouped_topk=True,
+                    moe_scoring="sigmoid", moe_correction_bias=True, moe_num_groups=groups, moe_topk_groups=kept,
+                    routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 2.5),
+                    moe_layers=tuple(kind == "sparse" for kind in cfg["mlp_layer_types"]))
     if arch == "Kolibri1ForCausalLM":
         # Kolibri 1's: routed experts in every layer, chosen by the router's logits plus the correction
         # bias (no groups), weighted by their sigmoids, renormalised under norm_topk_prob (off by
@@ -3083,6 +3133,8 @@ class ModelConfig:
             cfg = _olmo_hybrid_config(cfg)
         if arch in ("Kolibri1ForCausalLM", "FlintForCausalLM"):
             cfg = _kolibri1_flint_config(arch, cfg)
+        if arch == "BeamForCausalLM":
+            cfg = _beam_config(cfg)
         if arch == "MiniCPMForCausalLM":
             cfg = _minicpm_config(cfg)
         if arch in ("InternLM2ForCausalLM", "InternLM3ForCausalLM"):
@@ -3239,7 +3291,7 @@ class ModelConfig:
                                                              "MiMoV2FlashForCausalLM", *GRANITE_SWA_ARCHITECTURES,
                                                              "Cohere2MoeForCausalLM", "Lfm3ForCausalLM",
                                                              "GPTNeoForCausalLM", "Kolibri1ForCausalLM",
-                                                             "FlintForCausalLM",
+                                                             "FlintForCausalLM", "BeamForCausalLM",
                                                              "Starcoder2ForCausalLM") else None)
             if arch == "SmolLM3ForCausalLM" and cfg.get("use_sliding_window"):
                 sliding = cfg.get("sliding_window")
@@ -3305,7 +3357,7 @@ class ModelConfig:
             or (arch == "Glm4MoeForCausalLM" and bool(cfg.get("use_qk_norm", False)))
             or arch in (*LFM2_ARCHITECTURES, *EXAONE_ARCHITECTURES, "ApertusForCausalLM", "AfmoeForCausalLM",
                         *LAGUNA_ARCHITECTURES, "HYV3ForCausalLM", "NanoChatForCausalLM", "Kolibri1ForCausalLM",
-                        "FlintForCausalLM")
+                        "FlintForCausalLM", "BeamForCausalLM")
             or (arch in ("PhiForCausalLM", "PersimmonForCausalLM") and bool(cfg.get("qk_layernorm"))),
             eos_token_ids=eos,
             sliding_window=int(sliding) if sliding else None,

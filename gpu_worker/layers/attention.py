@@ -91,11 +91,12 @@ def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     return torch.matmul(probs.to(q.dtype), v)
 
 
-def _sinks_loader(param: nn.Parameter, loaded: WeightLike, shard_id: int | str | None = None) -> None:
-    """This rank's query heads' sinks (the heads are split across ranks as the q projection's)."""
+def query_heads_loader(param: nn.Parameter, loaded: WeightLike, shard_id: int | str | None = None) -> None:
+    """This rank's query heads' values of a tensor of one value a head (sinks, Beam's gate biases): the
+    heads are split across ranks as the q projection's."""
     rank, _ = tp_rank_and_size(None, None)
     heads = param.shape[0]
-    copy_into(param.data, loaded.narrow(0, rank * heads, heads), "sinks")
+    copy_into(param.data, loaded.narrow(0, rank * heads, heads), "one value a query head")
 
 
 class PagedAttention(nn.Module):
@@ -117,7 +118,7 @@ class PagedAttention(nn.Module):
         # dtype (the checkpoint's ``self_attn.sinks``).
         if sinks:
             self.sinks = nn.Parameter(torch.zeros(num_heads, dtype=torch.float32), requires_grad=False)
-            self.sinks.weight_loader = _sinks_loader
+            self.sinks.weight_loader = query_heads_loader
         else:
             self.register_parameter("sinks", None)
         # ALiBi: the slope of each of this rank's query heads, fp32 [num_heads] (None: no ALiBi).

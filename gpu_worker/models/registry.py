@@ -8,6 +8,7 @@ from gpu_worker.config import ModelConfig
 from gpu_worker.models.afmoe import AfmoeForCausalLM
 from gpu_worker.models.apertus import ApertusForCausalLM
 from gpu_worker.models.arcee import ArceeForCausalLM
+from gpu_worker.models.beam import BeamForCausalLM
 from gpu_worker.models.bert import BertModel, RobertaModel
 from gpu_worker.models.bert_rope import JinaEmbeddingsV3Model, RopeBertModel
 from gpu_worker.models.bloom import BloomForCausalLM
@@ -224,6 +225,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "NanoChatForCausalLM": NanoChatForCausalLM,
     "Kolibri1ForCausalLM": Kolibri1ForCausalLM,
     "FlintForCausalLM": FlintForCausalLM,
+    "BeamForCausalLM": BeamForCausalLM,
     "MiMoV2FlashForCausalLM": MiMoV2FlashForCausalLM,
     "GraniteSWAForCausalLM": GraniteSWAForCausalLM,
     "GraniteMoeSWAForCausalLM": GraniteMoeSWAForCausalLM,

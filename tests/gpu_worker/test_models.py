@@ -168,6 +168,14 @@ CASES = {
     "flint_all_routed_unnormalised_mqa": ("flint", {"layer_types": ["sliding_attention", "full_attention"],
                                                     "mlp_only_layers": [], "norm_topk_prob": False,
                                                     "num_key_value_heads": 1}),
+    # Beam: gated attention (biases per head), windowed layers rotating and full ones without positions but
+    # with queries scaled by position, four norms and depth-scaled residual adds, grouped sigmoid routing;
+    # the kinds the other way round, every layer routed, unnormalised, uncapped, tied.
+    "beam": ("beam", {}),
+    "beam_full_first_all_routed_uncapped_tied": ("beam", {"layer_types": ["full_attention", "sliding_attention"],
+                                                          "mlp_layer_types": ["sparse", "sparse"],
+                                                          "norm_topk_prob": False, "final_logit_softcapping": None,
+                                                          "tie_word_embeddings": True}),
     # A.X-K1: DeepSeek-V3 whose routed layers norm their MLP's output; rotary values in halves, tied,
     # every layer routed.
     "axk1": ("axk1", {}),
@@ -696,7 +704,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "GraniteMoeSWAForCausalLM", "Cohere2MoeForCausalLM", "Lfm3ForCausalLM",
                                    "GPTNeoForCausalLM", "CodeGenForCausalLM", "OlmoHybridForCausalLM",
                                    "HyperCLOVAXForCausalLM", "AXK1ForCausalLM", "NanoChatForCausalLM",
-                                   "Kolibri1ForCausalLM", "FlintForCausalLM",
+                                   "Kolibri1ForCausalLM", "FlintForCausalLM", "BeamForCausalLM",
                                    "BertModel",
                                    "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
@@ -1120,7 +1128,7 @@ def test_multi_token_prediction_layers_are_not_read_by_the_model(tmp_path, kind)
 
 @pytest.mark.parametrize("kind", ["granitemoe", "minimax_m2", "mixtral", "olmoe", "flex_olmo", "hunyuan_moe", "hy_v3",
                                   "laguna", "afmoe", "mimo_v2_flash", "solar_open", "mellum", "cohere2_moe",
-                                  "axk1", "kolibri1", "flint"])
+                                  "axk1", "kolibri1", "flint", "beam"])
 def test_moe_checkpoints_in_transformers_own_layout_load_too(tmp_path, kind):
     """Saved with transformers 5's own names (save_original_format=False: stacked experts, its router
     and bias names) rather than the released ones: the same logits."""
@@ -1137,7 +1145,7 @@ def test_moe_checkpoints_in_transformers_own_layout_load_too(tmp_path, kind):
         for name, param in hf.named_parameters():  # (Laguna's and AFMoE's biases, AFMoE's and MiMo's zero routers)
             if name.endswith(("e_score_correction_bias", "expert_bias", "router.gate.weight", "mlp.gate.weight")):
                 param.normal_(0.0, 0.3)
-            if name.endswith("mlp.post_mlp_layernorm.weight"):  # (A.X-K1's, under transformers' own name)
+            if name.endswith(("mlp.post_mlp_layernorm.weight", "gate_bias")):  # (A.X-K1's; Beam's gate biases)
                 param.normal_(1.0, 0.5)
     hf.save_pretrained(tmp_path, save_original_format=False)
     assert any(".experts.gate_up_proj" in name for name in load_file(tmp_path / "model.safetensors"))
@@ -1807,6 +1815,30 @@ def test_kolibri1_config_as_released():
     assert (config.vocab_size, config.max_context_len, config.eos_token_ids) == (128000, 262144, ())
     with pytest.raises(ValueError, match="sliding_window"):
         ModelConfig.from_dict({**released, "sliding_window": None})
+
+
+def test_beam_config_as_released():
+    """Beam-1.0's config as transformers' BeamConfig describes it: 52 layers, five windowed (512, rotating
+    with base 10,000) of six and the last full (no positions); 48 query heads of 128 over 8 KV heads with
+    per-head q/k norms; the first three MLPs dense (20480), then 256 experts of 2560, 8 a token from 4 of
+    8 groups, sigmoid through the correction bias, renormalised, times 2.5, no shared expert; logits
+    capped at 30. A RoPE on the full layers is refused."""
+    released = {"architectures": ["BeamForCausalLM"]}
+    config = ModelConfig.from_dict(released)
+    full = [i for i in range(52) if not config.sliding_window_layers[i]]
+    assert full == [5, 11, 17, 23, 29, 35, 41, 47, 51] and config.sliding_window == 512
+    assert config.rope_layers == config.sliding_window_layers and config.rope_theta == 10000.0 and config.qk_norm
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (48, 8, 128)
+    assert [config.layer_is_moe(i) for i in (0, 2, 3, 51)] == [False, False, True, True]
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (256, 8, 2560)
+    assert (config.moe_num_groups, config.moe_topk_groups, config.routed_scaling_factor) == (8, 4, 2.5)
+    assert config.moe_correction_bias and config.norm_topk_prob and config.shared_expert_intermediate_size == 0
+    assert config.final_logit_softcapping == 30.0 and config.vocab_size == 151936 and config.max_context_len == 8192
+    yarn = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 4.0, "original_max_position_embeddings": 8192}
+    stated = ModelConfig.from_dict({**released, "rope_parameters": {"sliding_attention": yarn, "full_attention": None}})
+    assert stated.rope_theta == 50000.0 and stated.rope_scaling["rope_type"] == "yarn"
+    with pytest.raises(ValueError, match="full_attention layers with a RoPE"):
+        ModelConfig.from_dict({**released, "rope_parameters": {"sliding_attention": yarn, "full_attention": yarn}})
 
 
 def test_flint_config_as_released():

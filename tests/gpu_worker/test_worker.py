@@ -139,6 +139,7 @@ def _drive(workers_execute, prompts: dict[str, list[int]], num_blocks: int, spec
     ("nanochat", {}, False),
     ("kolibri1", {}, True),
     ("flint", {}, True),
+    ("beam", {}, True),
 ], ids=["llama", "qwen2_moe", "qwen2_moe_expert_parallel", "gemma2", "gpt_oss", "gpt_oss_expert_parallel", "olmo2",
         "glm4_moe", "glm4_moe_expert_parallel", "deepseek_v3", "deepseek_v2_expert_parallel", "olmoe_expert_parallel",
         "granitemoe_expert_parallel", "minimax_m2", "cohere_qk_norm", "glm4", "exaone4",
@@ -153,7 +154,7 @@ def _drive(workers_execute, prompts: dict[str, list[int]], num_blocks: int, spec
         "hy_v3_expert_parallel", "mimo_v2_flash_expert_parallel", "granite_swa",
         "granitemoe_swa_expert_parallel", "cohere2_moe_expert_parallel",
         "gpt_neo", "codegen", "hyperclovax", "axk1_expert_parallel", "nanochat",
-        "kolibri1_expert_parallel", "flint_expert_parallel"])
+        "kolibri1_expert_parallel", "flint_expert_parallel", "beam_expert_parallel"])
 def test_tp2_over_gloo_equals_tp1(tmp_path, kind, overrides, expert_parallel):
     """Qwen2-MoE: each rank holds half of every expert (or, with expert parallelism, half of the
     experts whole) and half of the shared expert; one all-reduce per layer sums their outputs.

@@ -17,6 +17,7 @@ from transformers import (
     AutoModelForCausalLM,
     AXK1Config,
     BambaConfig,
+    BeamConfig,
     BloomConfig,
     CodeGenConfig,
     Cohere2Config,
@@ -586,6 +587,15 @@ def make_config(kind: str = "llama", **overrides):
                               "shared_expert_intermediate_size": 48, "head_dim": 16, "sliding_window": 8,
                               "layer_types": ["full_attention", "sliding_attention"], "mlp_only_layers": [0],
                               "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
+    # Beam: gated attention with per-head biases, a window of 8 on the first layer (rotating), the second
+    # full (no positions, queries scaled by position); depth-scaled residual adds; the first layer dense,
+    # then 8 experts of 32 in 2 groups (1 kept), 2 a token, times 2.5; logits capped at 30.
+    if kind == "beam":
+        return BeamConfig(**{"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_group": 2,
+                             "topk_group": 1, "head_dim": 16, "sliding_window": 8,
+                             "layer_types": ["sliding_attention", "full_attention"],
+                             "mlp_layer_types": ["dense", "sparse"], "pad_token_id": 0, "bos_token_id": 1,
+                             "eos_token_id": 2, **kw})
     # A.X-K1: deepseek_v3's layers (8 experts in 2 groups, 1 kept) whose routed layers norm their MLP's output.
     if kind == "axk1":
         return AXK1Config(**{"q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
@@ -813,7 +823,7 @@ def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides)
             if (kind == "afmoe" and name.endswith(("router.gate.weight", "expert_bias", "norm.weight"))) \
                     or (kind in ("lfm3", "hyperclovax") and name.endswith("norm.weight")) \
                     or (kind == "axk1" and name.endswith("post_mlp_layernorm.weight")) \
-                    or (kind in ("kolibri1", "flint") and name.endswith(("norm.weight", "sinks"))):
+                    or (kind in ("kolibri1", "flint", "beam") and name.endswith(("norm.weight", "sinks", "gate_bias"))):
                 param.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.5)
             if kind == "olmo_hybrid" and name.endswith("layernorm.weight"):  # (its delta rule is touchy: less wide)
                 param.uniform_(0.75, 1.25)
