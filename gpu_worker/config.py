@@ -105,7 +105,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "GraniteMoeSWAForCausalLM", "Cohere2MoeForCausalLM", "Lfm3ForCausalLM",
                            "GPTNeoForCausalLM", "CodeGenForCausalLM", "OlmoHybridForCausalLM",
                            "HyperCLOVAXForCausalLM", "AXK1ForCausalLM", "NanoChatForCausalLM",
-                           "Kolibri1ForCausalLM", "FlintForCausalLM", "BeamForCausalLM")
+                           "Kolibri1ForCausalLM", "FlintForCausalLM", "BeamForCausalLM", "BitNetForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -268,6 +268,9 @@ LLAMA_LIKE_DEFAULTS = {
     "HYV3ForCausalLM": {"vocab_size": 120832, "hidden_size": 4096, "intermediate_size": 13312, "num_hidden_layers": 80,
                         "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
                         "max_position_embeddings": 131072, "rms_norm_eps": 1e-5},
+    "BitNetForCausalLM": {"vocab_size": 128256, "hidden_size": 2560, "intermediate_size": 6912, "num_hidden_layers": 30,
+                          "num_attention_heads": 20, "num_key_value_heads": 5, "max_position_embeddings": 2048,
+                          "rms_norm_eps": 1e-5, "bos_token_id": 128000, "eos_token_id": 128001},
     "HyperCLOVAXForCausalLM": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
                                "num_hidden_layers": 32, "num_attention_heads": 32, "max_position_embeddings": 2048,
                                "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2},
@@ -482,7 +485,7 @@ def _rope_from_dict(arch: str, cfg: dict[str, Any]) -> tuple[float, dict[str, An
                      "Ernie4_5ForCausalLM": 500_000.0, "Ernie4_5_MoeForCausalLM": 500_000.0,
                      "FlexOlmoForCausalLM": 500_000.0, "CwmForCausalLM": 1_000_000.0,
                      "MiniCPM5MoeForCausalLM": 5_000_000.0, "SolarOpenForCausalLM": 1_000_000.0,
-                     "HYV3ForCausalLM": 11_158_840.0}.get(arch, 10000.0)
+                     "HYV3ForCausalLM": 11_158_840.0, "BitNetForCausalLM": 500_000.0}.get(arch, 10000.0)
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params:
         params = params["full_attention"]
@@ -934,6 +937,11 @@ def _activation(arch: str, cfg: dict[str, Any]) -> str:
         # converts it); hidden_activation, where set, names it.
         act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
         act = "gelu_pytorch_tanh" if act == "gelu" else act
+    elif arch == "BitNetForCausalLM":  # (its MLP: relu(gate)^2 * up)
+        act = cfg.get("hidden_act") or "relu2"
+        if act not in (*SUPPORTED_ACTIVATIONS, "relu2"):
+            raise ValueError(f"hidden_act must be one of {(*SUPPORTED_ACTIVATIONS, 'relu2')} for {arch}, got {act!r}")
+        return act
     elif arch in ("NemotronHForCausalLM", "ArceeForCausalLM"):  # (their MLPs: relu(x)^2, ungated)
         key = "mlp_hidden_act" if arch == "NemotronHForCausalLM" else "hidden_act"
         act = cfg.get(key) or "relu2"
@@ -3528,6 +3536,10 @@ class ModelConfig:
         # (Older llm-compressor releases name it compression_config, as vLLM also reads it.)
         quantization = cfg.get("quantization_config") or cfg.get("compression_config")
         method, block = weight_quantization(quantization)  # (others: refused here)
+        if method == "bitnet":  # (its converted layers' names: BitNet's and Llama's)
+            from gpu_worker.bitnet_checkpoint import check_bitnet_model
+
+            check_bitnet_model(config.architecture, 1, lora=False)
         if method is not None:
             config = dataclasses.replace(config, quantization=method, fp8_weight_block=block,
                                          quantization_config=dict(quantization))

@@ -27,6 +27,7 @@ from engine_core.logits_processor import load_logits_processors
 from engine_core.outputs import LoRARequest, ModelRunnerOutput
 from engine_core.sched.output import SchedulerOutput
 from engine_core.tokenizer_files import read_image_processor_config
+from gpu_worker.bitnet_checkpoint import check_bitnet_model
 from gpu_worker.config import ModelConfig, check_dtype_supported, parse_dtype
 from gpu_worker.eagle_config import EAGLE_METHODS, eagle_head_config
 from gpu_worker.model_resolver import (
@@ -195,6 +196,12 @@ class _ExecutorBase(Executor):
         if self.model_config.mamba_layers and (refusal := _mamba_refusal(config, self.model_config)):
             raise ValueError(f"engine {config.engine_index}: {self.model_config.raw['architectures'][0]} has "
                              f"{self.model_config.mamba.layer_name} layers: {refusal}")
+        if self.model_config.quantization == "bitnet":
+            try:
+                check_bitnet_model(self.model_config.architecture, config.tensor_parallel_size,
+                                   lora=config.lora_config is not None)
+            except ValueError as e:
+                raise ValueError(f"engine {config.engine_index}: {e}") from None
         pp = config.pipeline_parallel_size
         if pp > 1 and (refusal := pipeline_refusal(self.model_config, pp, embeds_only)):
             raise ValueError(f"engine {config.engine_index}: pipeline_parallel_size {pp}: {refusal}")

@@ -1,8 +1,8 @@
 """Which quantized checkpoints load, and the weights they load as: a checkpoint's
 ``quantization_config`` names its method, and the served ones are dequantized into the model's
 dtype as the weights are read (gpu_worker.fp8_checkpoint, gpu_worker.compressed_tensors_checkpoint,
-gpu_worker.gptq_awq_checkpoint, gpu_worker.mxfp4_checkpoint); any other method is refused by name before
-anything loads."""
+gpu_worker.gptq_awq_checkpoint, gpu_worker.mxfp4_checkpoint, gpu_worker.bitnet_checkpoint); any other
+method is refused by name before anything loads."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from gpu_worker.layers.weight_utils import WeightLike, materialize
 
-SERVED_METHODS = ("fp8", "compressed-tensors", "gptq", "awq", "mxfp4")
+SERVED_METHODS = ("fp8", "compressed-tensors", "gptq", "awq", "mxfp4", "bitnet")
 
 
 def _expanded(scale: torch.Tensor, block: tuple[int, int], rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
@@ -103,6 +103,11 @@ def weight_quantization(quantization: dict[str, Any] | None) -> tuple[str | None
 
         check_mxfp4(quantization)
         return method, None
+    if method == "bitnet":
+        from gpu_worker.bitnet_checkpoint import check_bitnet
+
+        check_bitnet(quantization)
+        return method, None
     raise ValueError(f"quantized checkpoints of quant_method {method!r} are not served (those of "
                      f"{', '.join(SERVED_METHODS)} are): serve the unquantized checkpoint, or a GGUF file of it")
 
@@ -124,6 +129,10 @@ def dequantized_weights(weights: Iterable[tuple[str, WeightLike]], method: str,
         from gpu_worker.mxfp4_checkpoint import dequantized as mxfp4_dequantized
 
         return mxfp4_dequantized(weights)
+    if method == "bitnet":
+        from gpu_worker.bitnet_checkpoint import dequantized as bitnet_dequantized
+
+        return bitnet_dequantized(weights, quantization)
     from gpu_worker.compressed_tensors_checkpoint import decompressed
 
     return decompressed(weights, quantization)

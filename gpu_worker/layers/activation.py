@@ -27,6 +27,14 @@ class GeluAndMul(nn.Module):
         return F.gelu(gate, approximate=self.approximate).mul_(up)
 
 
+class Relu2AndMul(nn.Module):
+    """relu(x[..., :d])^2 * x[..., d:] (BitNet's gated relu^2)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return torch.relu(gate).square_().mul_(up)
+
+
 class XIELU(nn.Module):
     """xIELU (Apertus's MLP activation): alpha_p x^2 + beta x for x > 0, else alpha_n (expm1(min(x,
     eps)) - x) + beta x, with alpha_p = softplus(a_p) and alpha_n = beta + softplus(a_n) from the learned
@@ -69,4 +77,6 @@ def gated_activation(name: str) -> nn.Module:
         return SiluAndMul()
     if name in ("gelu_pytorch_tanh", "gelu"):
         return GeluAndMul("tanh" if name == "gelu_pytorch_tanh" else "none")
+    if name == "relu2":  # (BitNet's, gpu_worker.config._activation)
+        return Relu2AndMul()
     raise ValueError(f"unsupported activation {name!r}")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from gpu_worker import distributed
+from gpu_worker.bitnet_checkpoint import check_bitnet_model, quantize_linear_inputs
 from gpu_worker.config import ModelConfig
 from gpu_worker.models.afmoe import AfmoeForCausalLM
 from gpu_worker.models.apertus import ApertusForCausalLM
@@ -11,6 +13,7 @@ from gpu_worker.models.arcee import ArceeForCausalLM
 from gpu_worker.models.beam import BeamForCausalLM
 from gpu_worker.models.bert import BertModel, RobertaModel
 from gpu_worker.models.bert_rope import JinaEmbeddingsV3Model, RopeBertModel
+from gpu_worker.models.bitnet import BitNetForCausalLM
 from gpu_worker.models.bloom import BloomForCausalLM
 from gpu_worker.models.classic import (
     GPTNeoXForCausalLM,
@@ -226,6 +229,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Kolibri1ForCausalLM": Kolibri1ForCausalLM,
     "FlintForCausalLM": FlintForCausalLM,
     "BeamForCausalLM": BeamForCausalLM,
+    "BitNetForCausalLM": BitNetForCausalLM,
     "MiMoV2FlashForCausalLM": MiMoV2FlashForCausalLM,
     "GraniteSWAForCausalLM": GraniteSWAForCausalLM,
     "GraniteMoeSWAForCausalLM": GraniteMoeSWAForCausalLM,
@@ -274,4 +278,9 @@ def build_model(config: ModelConfig) -> nn.Module:
         model_class = Idefics3ForConditionalGeneration
     elif config.vision is not None:  # (LLaVA: its decoder, and the image side)
         model_class = llava_class(model_class)
-    return model_class(config)
+    if config.quantization == "bitnet":  # (one rank, no LoRA: refused before here by the executor)
+        check_bitnet_model(config.architecture, distributed.get_tp_world_size(), lora=False)
+    model = model_class(config)
+    if config.quantization == "bitnet":
+        quantize_linear_inputs(model)
+    return model

@@ -26,7 +26,7 @@ KINDS = ["llama", "qwen2", "qwen3", "phi3", "mistral", "mixtral", "qwen2_moe", "
          "hunyuan_moe", "minicpm3", "minicpm5_moe", "glm4_moe_lite", "exaone_moe", "gemma3n", "gemma4",
          "jais2", "solar_open", "youtu", "afmoe", "laguna", "mellum", "hy_v3",
          "mimo_v2_flash", "granite_swa", "granitemoe_swa", "cohere2_moe", "gpt_neo", "codegen",
-         "hyperclovax", "axk1", "nanochat", "kolibri1", "flint", "beam"]
+         "hyperclovax", "axk1", "nanochat", "kolibri1", "flint", "beam", "bitnet"]
 # (Mistral's window of 8 keys is crossed by most prompts; Gemma 3 alternates windowed and full layers.)
 OVERRIDES = {"mistral": {"sliding_window": 8}, "cohere": {"use_qk_norm": True},
              "stablelm": {"use_parallel_residual": True, "qk_layernorm": True},
@@ -58,6 +58,24 @@ def test_greedy_tokens_equal_transformers_through_chunks_preemption_and_the_pref
         expected = [hf_greedy(hf, prompt, 12) for prompt in PROMPTS + PROMPTS[:2]]
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert stats.num_preemptions > 0, "the KV pool was meant to force preemption"
+    assert stats.prefix_cache_hits > 0 and stats.num_free_blocks == stats.num_blocks
+
+
+def test_a_packed_bitnet_checkpoint_through_the_engine(tmp_path):
+    """BitNet b1.58 as released (packed ternary weights, 8-bit inputs per token): transformers' greedy tokens
+    through chunked prefill, preemption and the prefix cache."""
+    from tests.gpu_worker.test_bitnet import save_packed
+
+    path = save_packed(tmp_path / "bitnet", "bitnet")
+    build_tokenizer().save_pretrained(path)
+    outputs, stats = run(path, PROMPTS, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+                         dtype="float32", block_size=4, num_gpu_blocks=40, max_num_batched_tokens=16, max_num_seqs=8,
+                         max_model_len=128)
+    with torch.compiler.set_stance("force_eager"):  # (transformers' BitLinear is torch.compile'd)
+        hf = load_hf(path)
+        with torch.no_grad():
+            expected = [hf_greedy(hf, prompt, 10) for prompt in PROMPTS]
+    assert [o.outputs[0].token_ids for o in outputs] == expected
     assert stats.prefix_cache_hits > 0 and stats.num_free_blocks == stats.num_blocks
 
 

@@ -168,6 +168,9 @@ CASES = {
     "flint_all_routed_unnormalised_mqa": ("flint", {"layer_types": ["sliding_attention", "full_attention"],
                                                     "mlp_only_layers": [], "norm_topk_prob": False,
                                                     "num_key_value_heads": 1}),
+    # BitNet (unquantized): norms over the heads' outputs and over relu(gate)^2 * up; tied, one KV head.
+    "bitnet": ("bitnet", {}),
+    "bitnet_tied_mqa": ("bitnet", {"tie_word_embeddings": True, "num_key_value_heads": 1}),
     # Beam: gated attention (biases per head), windowed layers rotating and full ones without positions but
     # with queries scaled by position, four norms and depth-scaled residual adds, grouped sigmoid routing;
     # the kinds the other way round, every layer routed, unnormalised, uncapped, tied.
@@ -705,6 +708,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "GPTNeoForCausalLM", "CodeGenForCausalLM", "OlmoHybridForCausalLM",
                                    "HyperCLOVAXForCausalLM", "AXK1ForCausalLM", "NanoChatForCausalLM",
                                    "Kolibri1ForCausalLM", "FlintForCausalLM", "BeamForCausalLM",
+                                   "BitNetForCausalLM",
                                    "BertModel",
                                    "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
@@ -1815,6 +1819,23 @@ def test_kolibri1_config_as_released():
     assert (config.vocab_size, config.max_context_len, config.eos_token_ids) == (128000, 262144, ())
     with pytest.raises(ValueError, match="sliding_window"):
         ModelConfig.from_dict({**released, "sliding_window": None})
+
+
+def test_bitnet_config_as_released():
+    """bitnet-b1.58-2B-4T's config as transformers' BitNetConfig describes it: 30 layers of 2560, 20 query
+    heads over 5 KV heads, a gated relu^2 MLP of 6912, RoPE base 500,000, 4096 positions as released;
+    another activation than those served refused."""
+    released = {"architectures": ["BitNetForCausalLM"], "max_position_embeddings": 4096,
+                "tie_word_embeddings": True, "rope_theta": 500000.0}
+    config = ModelConfig.from_dict(released)
+    assert (config.vocab_size, config.hidden_size, config.intermediate_size, config.num_hidden_layers) == \
+        (128256, 2560, 6912, 30)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (20, 5, 128)
+    assert config.hidden_act == "relu2" and config.rope_theta == 500000.0 and config.max_context_len == 4096
+    assert config.tie_word_embeddings and config.eos_token_ids == (128001,) and config.rms_norm_eps == 1e-5
+    assert ModelConfig.from_dict({"architectures": ["BitNetForCausalLM"]}).rope_theta == 500000.0
+    with pytest.raises(ValueError, match="hidden_act"):
+        ModelConfig.from_dict({**released, "hidden_act": "relu"})
 
 
 def test_beam_config_as_released():

@@ -18,6 +18,7 @@ from transformers import (
     AXK1Config,
     BambaConfig,
     BeamConfig,
+    BitNetConfig,
     BloomConfig,
     CodeGenConfig,
     Cohere2Config,
@@ -587,6 +588,10 @@ def make_config(kind: str = "llama", **overrides):
                               "shared_expert_intermediate_size": 48, "head_dim": 16, "sliding_window": 8,
                               "layer_types": ["full_attention", "sliding_attention"], "mlp_only_layers": [0],
                               "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
+    # BitNet: Llama's block with a norm over the heads' outputs before o_proj and one over relu(gate)^2 * up
+    # before down_proj.
+    if kind == "bitnet":
+        return BitNetConfig(**{"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
     # Beam: gated attention with per-head biases, a window of 8 on the first layer (rotating), the second
     # full (no positions, queries scaled by position); depth-scaled residual adds; the first layer dense,
     # then 8 experts of 32 in 2 groups (1 kept), 2 a token, times 2.5; logits capped at 30.
@@ -823,6 +828,7 @@ def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides)
             if (kind == "afmoe" and name.endswith(("router.gate.weight", "expert_bias", "norm.weight"))) \
                     or (kind in ("lfm3", "hyperclovax") and name.endswith("norm.weight")) \
                     or (kind == "axk1" and name.endswith("post_mlp_layernorm.weight")) \
+                    or (kind == "bitnet" and name.endswith("sub_norm.weight")) \
                     or (kind in ("kolibri1", "flint", "beam") and name.endswith(("norm.weight", "sinks", "gate_bias"))):
                 param.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.5)
             if kind == "olmo_hybrid" and name.endswith("layernorm.weight"):  # (its delta rule is touchy: less wide)
