@@ -105,7 +105,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "GraniteMoeSWAForCausalLM", "Cohere2MoeForCausalLM", "Lfm3ForCausalLM",
                            "GPTNeoForCausalLM", "CodeGenForCausalLM", "OlmoHybridForCausalLM",
                            "HyperCLOVAXForCausalLM", "AXK1ForCausalLM", "NanoChatForCausalLM",
-                           "Kolibri1ForCausalLM", "FlintForCausalLM", "BeamForCausalLM", "BitNetForCausalLM")
+                           "Kolibri1ForCausalLM", "FlintForCausalLM", "BeamForCausalLM", "BitNetForCausalLM",
+                           "JetMoeForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -268,6 +269,9 @@ LLAMA_LIKE_DEFAULTS = {
     "HYV3ForCausalLM": {"vocab_size": 120832, "hidden_size": 4096, "intermediate_size": 13312, "num_hidden_layers": 80,
                         "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
                         "max_position_embeddings": 131072, "rms_norm_eps": 1e-5},
+    "JetMoeForCausalLM": {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 12,
+                          "num_key_value_heads": 16, "kv_channels": 128, "max_position_embeddings": 4096,
+                          "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2},
     "BitNetForCausalLM": {"vocab_size": 128256, "hidden_size": 2560, "intermediate_size": 6912, "num_hidden_layers": 30,
                           "num_attention_heads": 20, "num_key_value_heads": 5, "max_position_embeddings": 2048,
                           "rms_norm_eps": 1e-5, "bos_token_id": 128000, "eos_token_id": 128001},
@@ -1874,6 +1878,14 @@ def _gpt_config(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     return {**cfg, "attention_bias": True, "mlp_bias": True, "num_key_value_heads": 1 if multi_query else heads}
 
 
+def _jetmoe_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """JetMoE's keys as ours: heads of kv_channels, each token's query heads num_key_value_heads for each of
+    its num_experts_per_tok attention experts, the experts' activation activation_function."""
+    kv_heads, top_k = int(cfg["num_key_value_heads"]), int(cfg.get("num_experts_per_tok") or 2)
+    return {**cfg, "head_dim": int(cfg["kv_channels"]), "num_attention_heads": kv_heads * top_k,
+            "hidden_act": cfg.get("activation_function") or "silu"}
+
+
 def _gpt_neo_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """A GPT-Neo config in the other families' key names, as transformers' GPTNeoConfig reads it: its
     defaults, the layer kinds from attention_layers (or attention_types expanded: [kinds, repeats]
@@ -2315,6 +2327,11 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
         if not cfg.get("num_experts"):
             return {}
         return dict(num_experts=read("num_experts", 0), num_experts_per_tok=read("num_experts_per_tok", 2),
+                    moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True)
+    if arch == "JetMoeForCausalLM":
+        # JetMoE's: routed experts of intermediate_size in every layer (and as many attention experts), the
+        # softmax over the top k logits (the renormalised top k of the softmax).
+        return dict(num_experts=read("num_local_experts", 8), num_experts_per_tok=read("num_experts_per_tok", 2),
                     moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True)
     if arch == "MixtralForCausalLM":
         # Every layer routed; the experts' width is intermediate_size; weights always renormalised.
@@ -3151,6 +3168,8 @@ class ModelConfig:
             cfg = _exaone_config(cfg)
         if arch in LLAMA_LIKE_DEFAULTS:
             cfg = {**LLAMA_LIKE_DEFAULTS[arch], **{k: v for k, v in cfg.items() if v is not None}}
+        if arch == "JetMoeForCausalLM":
+            cfg = _jetmoe_config(cfg)
         if arch == "ApertusForCausalLM" and not cfg.get("rope_parameters") and not cfg.get("rope_scaling"):
             cfg = {**cfg, "rope_parameters": dict(APERTUS_ROPE_DEFAULTS)}  # (transformers' ApertusConfig's)
         if arch == "CwmForCausalLM":  # (transformers' CwmConfig: llama3 RoPE, every fourth layer from 0 full)

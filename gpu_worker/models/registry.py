@@ -56,6 +56,7 @@ from gpu_worker.models.idefics3 import Idefics3ForConditionalGeneration
 from gpu_worker.models.internlm import InternLM2ForCausalLM, InternLM3ForCausalLM
 from gpu_worker.models.internvl import internvl_class
 from gpu_worker.models.jamba import JambaForCausalLM
+from gpu_worker.models.jetmoe import JetMoeForCausalLM
 from gpu_worker.models.laguna import LagunaForCausalLM, MellumForCausalLM
 from gpu_worker.models.language_model_only import language_model_class
 from gpu_worker.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM, Lfm3ForCausalLM
@@ -230,6 +231,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "FlintForCausalLM": FlintForCausalLM,
     "BeamForCausalLM": BeamForCausalLM,
     "BitNetForCausalLM": BitNetForCausalLM,
+    "JetMoeForCausalLM": JetMoeForCausalLM,
     "MiMoV2FlashForCausalLM": MiMoV2FlashForCausalLM,
     "GraniteSWAForCausalLM": GraniteSWAForCausalLM,
     "GraniteMoeSWAForCausalLM": GraniteMoeSWAForCausalLM,

@@ -168,6 +168,13 @@ CASES = {
     "flint_all_routed_unnormalised_mqa": ("flint", {"layer_types": ["sliding_attention", "full_attention"],
                                                     "mlp_only_layers": [], "norm_topk_prob": False,
                                                     "num_key_value_heads": 1}),
+    # JetMoE: a mixture of attention heads (each token's two experts' query and output projections around
+    # shared keys and values) and routed MLP experts, each with a bias; one KV head and three experts a token,
+    # untied; four KV heads, one expert a token.
+    "jetmoe": ("jetmoe", {}),
+    "jetmoe_one_kv_head_three_experts_untied": ("jetmoe", {"num_key_value_heads": 1, "num_experts_per_tok": 3,
+                                                           "tie_word_embeddings": False}),
+    "jetmoe_four_kv_heads_one_expert": ("jetmoe", {"num_key_value_heads": 4, "num_experts_per_tok": 1}),
     # BitNet (unquantized): norms over the heads' outputs and over relu(gate)^2 * up; tied, one KV head.
     "bitnet": ("bitnet", {}),
     "bitnet_tied_mqa": ("bitnet", {"tie_word_embeddings": True, "num_key_value_heads": 1}),
@@ -557,7 +564,7 @@ def test_config_rejects_unsupported():
     base = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 256}
     with pytest.raises(ValueError, match="architecture"):
-        ModelConfig.from_dict({**base, "architectures": ["JetMoeForCausalLM"]})
+        ModelConfig.from_dict({**base, "architectures": ["DiffLlamaForCausalLM"]})
     with pytest.raises(ValueError, match="rope_type"):
         ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(ValueError, match="hidden_act"):
@@ -708,7 +715,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "GPTNeoForCausalLM", "CodeGenForCausalLM", "OlmoHybridForCausalLM",
                                    "HyperCLOVAXForCausalLM", "AXK1ForCausalLM", "NanoChatForCausalLM",
                                    "Kolibri1ForCausalLM", "FlintForCausalLM", "BeamForCausalLM",
-                                   "BitNetForCausalLM",
+                                   "BitNetForCausalLM", "JetMoeForCausalLM",
                                    "BertModel",
                                    "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
@@ -1819,6 +1826,21 @@ def test_kolibri1_config_as_released():
     assert (config.vocab_size, config.max_context_len, config.eos_token_ids) == (128000, 262144, ())
     with pytest.raises(ValueError, match="sliding_window"):
         ModelConfig.from_dict({**released, "sliding_window": None})
+
+
+def test_jetmoe_config_as_released():
+    """JetMoE's config as transformers' JetMoeConfig describes it (jetmoe-8b states 24 layers): heads of
+    kv_channels (128), 16 key heads and, for each of a token's 2 attention experts, as many query heads (32
+    in all); 8 MLP experts of 5632, 2 a token, renormalised; tied."""
+    released = {"architectures": ["JetMoeForCausalLM"], "num_hidden_layers": 24}
+    config = ModelConfig.from_dict(released)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (32, 16, 128)
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (8, 2, 5632)
+    assert all(config.layer_is_moe(i) for i in range(24)) and config.norm_topk_prob
+    assert (config.vocab_size, config.hidden_size, config.max_context_len) == (32000, 2048, 4096)
+    assert config.tie_word_embeddings and config.eos_token_ids == (2,) and config.hidden_act == "silu"
+    wider = ModelConfig.from_dict({**released, "num_experts_per_tok": 3, "kv_channels": 64})
+    assert (wider.num_attention_heads, wider.head_dim) == (48, 64)
 
 
 def test_bitnet_config_as_released():

@@ -140,6 +140,8 @@ def _drive(workers_execute, prompts: dict[str, list[int]], num_blocks: int, spec
     ("kolibri1", {}, True),
     ("flint", {}, True),
     ("beam", {}, True),
+    ("jetmoe", {"initializer_range": 0.3}, False),
+    ("jetmoe", {"initializer_range": 0.3, "num_key_value_heads": 2}, True),
 ], ids=["llama", "qwen2_moe", "qwen2_moe_expert_parallel", "gemma2", "gpt_oss", "gpt_oss_expert_parallel", "olmo2",
         "glm4_moe", "glm4_moe_expert_parallel", "deepseek_v3", "deepseek_v2_expert_parallel", "olmoe_expert_parallel",
         "granitemoe_expert_parallel", "minimax_m2", "cohere_qk_norm", "glm4", "exaone4",
@@ -154,7 +156,8 @@ def _drive(workers_execute, prompts: dict[str, list[int]], num_blocks: int, spec
         "hy_v3_expert_parallel", "mimo_v2_flash_expert_parallel", "granite_swa",
         "granitemoe_swa_expert_parallel", "cohere2_moe_expert_parallel",
         "gpt_neo", "codegen", "hyperclovax", "axk1_expert_parallel", "nanochat",
-        "kolibri1_expert_parallel", "flint_expert_parallel", "beam_expert_parallel"])
+        "kolibri1_expert_parallel", "flint_expert_parallel", "beam_expert_parallel",
+        "jetmoe", "jetmoe_expert_parallel"])
 def test_tp2_over_gloo_equals_tp1(tmp_path, kind, overrides, expert_parallel):
     """Qwen2-MoE: each rank holds half of every expert (or, with expert parallelism, half of the
     experts whole) and half of the shared expert; one all-reduce per layer sums their outputs.
@@ -179,8 +182,8 @@ def test_tp2_over_gloo_equals_tp1(tmp_path, kind, overrides, expert_parallel):
     whole on each rank, each weighted on its input, the shared expert split by width."""
     ray = pytest.importorskip("ray")
     # One KV head for two ranks (replicated), an odd vocab (padded shards) and tied embeddings.
-    path = save_tiny_model(tmp_path, kind, num_key_value_heads=1, vocab_size=251, tie_word_embeddings=True,
-                           **overrides)
+    path = save_tiny_model(tmp_path, kind, **{"num_key_value_heads": 1, "vocab_size": 251, "tie_word_embeddings": True,
+                                              **overrides})
     rng = random.Random(3)
     prompts = {f"r{i}": [rng.randrange(251) for _ in range(rng.randrange(3, 20))] for i in range(4)}
     kwargs = dict(device="cpu", dtype="float32", max_model_len=128, num_cpus=1,
@@ -198,8 +201,9 @@ def test_tp2_over_gloo_equals_tp1(tmp_path, kind, overrides, expert_parallel):
         # block is 4 of a TP=1 block's 6 head-rows).
         num_blocks = ray.get([w.determine_num_blocks.remote(4, None, 40 * tp1.bytes_per_block(4) + 1)
                               for w in ranks])
-        halved = ("gpt_neox", "gptj", "falcon", "bloom", "gpt_neo", "codegen")
-        assert num_blocks == ([80, 80] if kind in halved else [60, 60] if kind == "mimo_v2_flash" else [40, 40])
+        halved = kind in ("gpt_neox", "gptj", "falcon", "bloom", "gpt_neo", "codegen") \
+            or overrides.get("num_key_value_heads", 1) > 1  # (JetMoE's two key heads split: each rank one)
+        assert num_blocks == ([80, 80] if halved else [60, 60] if kind == "mimo_v2_flash" else [40, 40])
         ray.get([w.initialize_cache.remote(40, 4) for w in ranks])
         if expert_parallel:
             def first_expert(worker):

@@ -67,6 +67,7 @@ from transformers import (
     HYV3Config,
     Jais2Config,
     JambaConfig,
+    JetMoeConfig,
     Kolibri1Config,
     LagunaConfig,
     Lfm2Config,
@@ -588,6 +589,12 @@ def make_config(kind: str = "llama", **overrides):
                               "shared_expert_intermediate_size": 48, "head_dim": 16, "sliding_window": 8,
                               "layer_types": ["full_attention", "sliding_attention"], "mlp_only_layers": [0],
                               "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
+    # JetMoE: 8 attention experts of 2 query heads (the KV heads' number) of 16 and 8 MLP experts of 32, 2 a
+    # token each.
+    if kind == "jetmoe":
+        return JetMoeConfig(**{"num_local_experts": 8, "num_experts_per_tok": 2, "kv_channels": 16,
+                               "intermediate_size": 32, **{k: v for k, v in kw.items() if k != "num_attention_heads"},
+                               "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2})
     # BitNet: Llama's block with a norm over the heads' outputs before o_proj and one over relu(gate)^2 * up
     # before down_proj.
     if kind == "bitnet":
@@ -829,6 +836,7 @@ def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides)
                     or (kind in ("lfm3", "hyperclovax") and name.endswith("norm.weight")) \
                     or (kind == "axk1" and name.endswith("post_mlp_layernorm.weight")) \
                     or (kind == "bitnet" and name.endswith("sub_norm.weight")) \
+                    or (kind == "jetmoe" and name.endswith(("experts.bias", "mlp.bias", "layernorm.weight"))) \
                     or (kind in ("kolibri1", "flint", "beam") and name.endswith(("norm.weight", "sinks", "gate_bias"))):
                 param.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.5)
             if kind == "olmo_hybrid" and name.endswith("layernorm.weight"):  # (its delta rule is touchy: less wide)
