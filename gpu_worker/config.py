@@ -1075,8 +1075,9 @@ def _nanochat_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
 def _beam_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """Beam's layer kinds and RoPE as transformers' BeamConfig reads them: five windowed layers of six and
     the last full where layer_types is absent, the first three MLPs dense where mlp_layer_types is; the
-    windowed layers' rope parameters the model's (base 10,000 unless stated), the full layers' null (no
-    positions: a RoPE of their own is refused)."""
+    windowed layers' rope parameters the model's (base 10,000 unless stated; null: they attend without
+    positions too, ``beam_windowed_rotate`` false), the full layers' null (a RoPE of their own is
+    refused, as is one dict for all layers, which transformers' model cannot build either)."""
     num_layers = int(cfg["num_hidden_layers"])
     kinds = cfg.get("layer_types")
     if not isinstance(kinds, list):
@@ -1094,11 +1095,15 @@ def _beam_config(cfg: dict[str, Any]) -> dict[str, Any]:
     params = cfg.get("rope_parameters")
     if not isinstance(params, dict) or not params:
         params = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}, "full_attention": None}
+    if not set(params) <= {"sliding_attention", "full_attention"} or "sliding_attention" not in params:
+        raise ValueError(f"BeamForCausalLM's rope_parameters give one entry per layer kind (sliding_attention, "
+                         f"full_attention), got {sorted(params)}")
     if params.get("full_attention") is not None:
         raise ValueError("BeamForCausalLM's full_attention layers with a RoPE of their own are not served (its "
                          "full layers attend without positions)")
-    local = params.get("sliding_attention") or {"rope_type": "default", "rope_theta": 10000.0}
-    return {**cfg, "layer_types": kinds, "mlp_layer_types": mlp_kinds, "rope_parameters": dict(local)}
+    local = params["sliding_attention"]
+    return {**cfg, "layer_types": kinds, "mlp_layer_types": mlp_kinds, "beam_windowed_rotate": local is not None,
+            "rope_parameters": dict(local or {"rope_type": "default", "rope_theta": 10000.0})}
 
 
 def _granite_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -1739,8 +1744,12 @@ def _exaone4_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def _exaone4_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """EXAONE 4.0's, K-EXAONE's and Kolibri 1's windowed layers rotate and their full ones attend without
-    positions, where the model has a window; Flint's alike, whatever the window."""
-    if arch in ("FlintForCausalLM", "BeamForCausalLM") or (arch in (*EXAONE_ARCHITECTURES, "Kolibri1ForCausalLM")
+    positions, where the model has a window; Flint's alike, whatever the window; Beam's alike, unless
+    its windowed layers' rope parameters are null (then none rotates)."""
+    if arch == "BeamForCausalLM":
+        return {"rope_layers": tuple(kind == "sliding_attention" and cfg["beam_windowed_rotate"]
+                                     for kind in cfg["layer_types"])}
+    if arch == "FlintForCausalLM" or (arch in (*EXAONE_ARCHITECTURES, "Kolibri1ForCausalLM")
                                       and cfg.get("sliding_window")):
         return {"rope_layers": tuple(kind == "sliding_attention" for kind in cfg["layer_types"])}
     return {}

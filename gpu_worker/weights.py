@@ -130,7 +130,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, WeightLike]],
 
     Raises if the checkpoint has a tensor we cannot place, or leaves a parameter unloaded;
     ``zero_biases_optional`` (GPTQ / AWQ checkpoints, whose old quantizers wrote an all-zero bias
-    for every layer): such a bias without a parameter is skipped.
+    for every layer): such a bias without a parameter is skipped. A parameter marked
+    ``optional_in_checkpoint`` (A.X-K1's correction biases) keeps its initial value where absent.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules_mapping", {})
@@ -194,6 +195,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, WeightLike]],
         loaded["lm_head.weight"] = {None}
     missing = []
     for name in params:
+        if getattr(params[name], "optional_in_checkpoint", False) and name not in loaded:
+            continue  # (a parameter a checkpoint may leave out: it keeps its initial value)
         module_name = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
         want = getattr(params[name], "expected_shards", None) or expected_shards.get(module_name, {None})
         if not want <= loaded.get(name, set()):

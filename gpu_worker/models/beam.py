@@ -5,7 +5,8 @@ The Llama block with these changes:
 * attention with per-head q/k norms whose heads' outputs are scaled by a sigmoid gate per channel
   (``self_attn.gate_proj``) plus a bias per head (``self_attn.gate_bias``), before o_proj;
 * windowed layers (by default five of every six, the last layer full) rotate with RoPE; the full ones
-  attend without positions, their queries scaled by position, (1 + (position + 1) / 2048) ** 0.1;
+  (and windowed ones whose rope parameters are null) attend without positions, their queries scaled by
+  position, (1 + (position + 1) / 2048) ** 0.1;
 * four norms a layer (each sublayer's input and output), and residual adds scaled by depth: the k-th
   add (k = 2, 3, ... over the layers' attention and MLP outputs) is x * sqrt((k - 1) / k) + y / sqrt(k);
 * dense MLPs where mlp_layer_types says so (the first three by default), elsewhere routed experts
@@ -74,9 +75,8 @@ class BeamModel(LlamaModel):
     layer_class = BeamDecoderLayer
 
     def query_scale(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-        """[tokens, 1, 1]: the full layers' query scale, computed in fp32 as transformers does."""
-        scale = torch.exp(_SCALE_POWER * torch.log1p((positions.to(torch.float32) + 1) / _SCALE_LENGTH))
-        return scale.to(dtype)[:, None, None]
+        """[tokens, 1, 1] fp32: the full layers' query scale, applied in fp32 as transformers applies it."""
+        return torch.exp(_SCALE_POWER * torch.log1p((positions.to(torch.float32) + 1) / _SCALE_LENGTH))[:, None, None]
 
 
 class BeamForCausalLM(LlamaForCausalLM):

@@ -186,9 +186,25 @@ class AXK1ForCausalLM(DeepseekV3ForCausalLM):
     """SK Telecom's A.X-K1 (AXK1ForCausalLM): DeepSeek-V3 (latent attention with a query LoRA, grouped
     sigmoid routing beside a shared expert per mlp_layer_types) whose routed layers norm their MLP's
     output; the norm read as released (``layers.N.post_mlp_layernorm``) or under transformers' name
-    (``layers.N.mlp.post_mlp_layernorm``)."""
+    (``layers.N.mlp.post_mlp_layernorm``). As released, the dense layers store a norm they do not use
+    (not read) and the routers no correction bias (zero where absent, as transformers keeps it)."""
 
     model_class = AXK1Model
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        for module in self.modules():
+            bias = getattr(getattr(module, "gate", None), "e_score_correction_bias", None)
+            if isinstance(bias, nn.Parameter):
+                bias.optional_in_checkpoint = True  # (weights.load_weights: zero where the checkpoint has none)
+
+    def reads_checkpoint_tensor(self, name: str) -> bool:
+        if not super().reads_checkpoint_tensor(name):
+            return False
+        parts = name.split(".")
+        if ("post_mlp_layernorm" in parts and "layers" in parts and parts[parts.index("layers") + 1].isdigit()):
+            return self.config.layer_is_moe(int(parts[parts.index("layers") + 1]))
+        return True
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         return super().checkpoint_tensors(

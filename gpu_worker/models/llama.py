@@ -98,8 +98,8 @@ class LlamaAttention(nn.Module):
         if self.rotates:
             RotaryEmbedding.rotate_(qk, rope[0], rope[1])
         q = qk[:, : self.num_heads]
-        if len(rope) > 2:
-            q = q * rope[2]
+        if len(rope) > 2:  # (a scale of the queries' dtype multiplies them in it; an fp32 one in fp32: Beam's)
+            q = q * rope[2] if rope[2].dtype == q.dtype else (q.float() * rope[2]).to(q.dtype)
         k = qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         return self.attn.forward(q, k, v, meta)
@@ -514,9 +514,11 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(hidden)
         if self.config.logits_scaling != 1.0 and logits is not None:  # (Granite)
             logits = logits / self.config.logits_scaling
-        cap = self.config.final_logit_softcapping  # (Gemma 2 / 3 / 3n / 4's, nanochat's)
+        cap = self.config.final_logit_softcapping  # (Gemma 2 / 3 / 3n / 4's, nanochat's, Beam's)
         if cap is not None and logits is not None:
-            logits = torch.tanh(logits / cap).mul_(cap)
+            # (In fp32, the capped logits returned so: near the cap, bf16's tanh would round the top
+            # logits to steps of a tenth; transformers' Beam caps in fp32 for that reason.)
+            logits = torch.tanh(logits.float() / cap).mul_(cap)
         return logits
 
     def classify(self, pooled: torch.Tensor, per_token: bool = False) -> torch.Tensor:

@@ -182,6 +182,8 @@ CASES = {
     # with queries scaled by position, four norms and depth-scaled residual adds, grouped sigmoid routing;
     # the kinds the other way round, every layer routed, unnormalised, uncapped, tied.
     "beam": ("beam", {}),
+    "beam_windowed_without_positions": ("beam", {"rope_parameters": {"sliding_attention": None,
+                                                                     "full_attention": None}}),
     "beam_full_first_all_routed_uncapped_tied": ("beam", {"layer_types": ["full_attention", "sliding_attention"],
                                                           "mlp_layer_types": ["sparse", "sparse"],
                                                           "norm_topk_prob": False, "final_logit_softcapping": None,
@@ -1882,6 +1884,44 @@ def test_beam_config_as_released():
     assert stated.rope_theta == 50000.0 and stated.rope_scaling["rope_type"] == "yarn"
     with pytest.raises(ValueError, match="full_attention layers with a RoPE"):
         ModelConfig.from_dict({**released, "rope_parameters": {"sliding_attention": yarn, "full_attention": yarn}})
+    with pytest.raises(ValueError, match="one entry per layer kind"):  # (transformers' model cannot be built)
+        ModelConfig.from_dict({**released, "rope_parameters": yarn})
+    unrotated = ModelConfig.from_dict({**released, "rope_parameters": {"sliding_attention": None,
+                                                                       "full_attention": None}})
+    assert not any(unrotated.rope_layers) and len(unrotated.rope_layers) == 52
+
+
+def test_beams_query_scale_is_transformers_at_long_positions():
+    """The full layers' query scale by position, far past the test prompts' lengths (where it is near 1):
+    transformers' compute_attention_scaling, and applied to the queries in fp32."""
+    from transformers.models.beam.modeling_beam import compute_attention_scaling
+
+    from gpu_worker.models.beam import BeamModel
+
+    positions = torch.tensor([0, 1, 2047, 2048, 100_000, 1_000_000])
+    ours = BeamModel.query_scale(None, positions, torch.bfloat16)
+    assert ours.dtype == torch.float32
+    torch.testing.assert_close(ours.flatten(), compute_attention_scaling(positions[None]).flatten(), rtol=0, atol=0)
+
+
+def test_axk1_as_released_without_correction_biases_and_with_unused_dense_norms(tmp_path):
+    """A.X-K1's released checkpoints store a post_mlp_layernorm in their dense layers too (unused) and no
+    router correction bias (transformers routes with zeros): both read as transformers reads them."""
+    path = save_tiny_model(tmp_path, "axk1")
+    hf = load_hf(path)
+    weights = load_file(str(path / "model.safetensors"))
+    assert any(name.endswith("e_score_correction_bias") for name in weights)
+    weights = {name: t for name, t in weights.items() if not name.endswith("e_score_correction_bias")}
+    weights["model.layers.0.post_mlp_layernorm.weight"] = torch.full((64,), 3.0)  # (layer 0 is dense)
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with torch.no_grad():
+        for name, buffer in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.zero_()
+        prompt = [(7 * i + 3) % 256 for i in range(21)]
+        ref = hf(torch.tensor([prompt])).logits[0]
+    ours = prefill_logits(make_runner(path), prompt, list(range(6)))
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
 
 
 def test_flint_config_as_released():

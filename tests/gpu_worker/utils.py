@@ -240,7 +240,7 @@ def make_config(kind: str = "llama", **overrides):
         return GraniteConfig(**{"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
                                 "attention_multiplier": 0.0625, "logits_scaling": 8.0, **kw})
     # HyperCLOVA X: Granite's scalars away from 1 (its logits multiplied), Peri-LN's norm after each
-    # sublayer, 16-dim heads (not hidden / heads).
+    # sublayer, 8-dim heads (not hidden / heads).
     if kind == "hyperclovax":
         return HyperCLOVAXConfig(**{"embedding_multiplier": 3.0, "residual_multiplier": 0.4,
                                     "attention_multiplier": 0.2, "logits_scaling": 0.5, "head_dim": 8,
