@@ -3,18 +3,22 @@ weights, TII's Falcon3 1.58-bit models), served as transformers computes them: e
 (the decoder layers' attention and MLP projections) multiplies ternary weights, {-1, 0, 1} times a scale,
 by its input rounded per token to 8 bits (symmetric: x -> round(x * 127 / max|x|) * max|x| / 127).
 
-* ``linear_class`` "bitlinear" (offline, the released format): each weight packed four values a byte
-  (``X.weight`` uint8 [out / 4, in]; value = 2-bit code - 1; byte row r holds rows r, r + out/4,
-  r + out/2, r + 3 out/4 in its bit pairs from the lowest) beside ``X.weight_scale``, which divides the
-  output: W = ternary / weight_scale.
-* ``linear_class`` "autobitlinear" with ``quantization_mode`` "online" (master weights): each weight W
-  becomes round(W / m).clamp(-1, 1) x m, m = mean |W| over the whole tensor, as it is read.
+* ``linear_class`` "autobitlinear", ``quantization_mode`` "offline" (bitnet-b1.58-2B-4T as released): each
+  weight ternary, packed four values a byte (``X.weight`` uint8 [out / 4, in]; value = 2-bit code - 1;
+  byte row r holds rows r, r + out/4, r + out/2, r + 3 out/4 in its bit pairs from the lowest) or stored
+  as it is, beside ``X.weight_scale``, which multiplies the output: W = ternary x weight_scale; inputs
+  rounded in fp32 (transformers' ActQuant).
+* ``linear_class`` "bitlinear" (Falcon3's): packed alike, its ``weight_scale`` dividing the output:
+  W = ternary / weight_scale; inputs rounded in their own dtype (BitLinear's activation_quant).
+* ``linear_class`` "autobitlinear", ``quantization_mode`` "online" (master weights): each weight W
+  becomes round(W / m).clamp(-1, 1) x m, m = mean |W| over the whole tensor, as it is read; inputs
+  rounded in fp32.
 
 The weights are dequantized into the model's dtype as they are read (no ternary kernels here: the
 matmuls are dense, as for the other quantized checkpoints); the per-token rounding of the inputs is
 ColumnParallelLinear's and RowParallelLinear's ``quantize_input``. Served on one tensor-parallel rank (the
-rounding needs each token's whole row) and without LoRA adapters; "autobitlinear" offline checkpoints,
-``use_rms_norm`` and converted modules other than the decoder layers' are refused.
+rounding needs each token's whole row) and without LoRA adapters; ``use_rms_norm``, and converting or
+keeping other modules than transformers does by default (all linear layers but lm_head), are refused.
 """
 
 from __future__ import annotations
@@ -39,15 +43,20 @@ def check_bitnet(quantization: dict[str, Any]) -> None:
     """ValueError for a BitNet variant not served."""
     linear_class = quantization.get("linear_class", "bitlinear")
     mode = quantization.get("quantization_mode", "offline")
-    if (linear_class, mode) not in (("bitlinear", "offline"), ("autobitlinear", "online")):
-        raise ValueError(f"bitnet checkpoints of linear_class 'bitlinear' (packed, offline) or 'autobitlinear' "
-                         f"with quantization_mode 'online' are served, not {linear_class!r} / {mode!r}")
+    if linear_class not in ("bitlinear", "autobitlinear") or mode not in ("offline", "online"):
+        raise ValueError(f"bitnet checkpoints of linear_class 'bitlinear' or 'autobitlinear' (quantization_mode "
+                         f"'offline' or 'online') are served, not {linear_class!r} / {mode!r}")
     if quantization.get("use_rms_norm"):
         raise ValueError("bitnet checkpoints with use_rms_norm (a norm inside each linear layer) are not served")
-    kept = set(quantization.get("modules_to_not_convert") or ()) - {"lm_head"}
-    if kept:
-        raise ValueError(f"bitnet checkpoints keeping modules other than lm_head unconverted are not served: "
-                         f"{sorted(kept)}")
+    kept = quantization.get("modules_to_not_convert")
+    if kept is not None and set(kept) != {"lm_head"}:  # (None: transformers' default, lm_head alone kept)
+        raise ValueError(f"bitnet checkpoints are served with lm_head alone unconverted (modules_to_not_convert "
+                         f"null or [\"lm_head\"]), not {sorted(kept)}")
+
+
+def input_rounding(quantization: dict[str, Any]) -> str:
+    """Where the inputs are rounded: "dtype" (BitLinear's, in the input's dtype) or "fp32" (AutoBitLinear's)."""
+    return "dtype" if quantization.get("linear_class", "bitlinear") == "bitlinear" else "fp32"
 
 
 def check_bitnet_model(architecture: str, tensor_parallel_size: int, lora: bool) -> None:
@@ -89,9 +98,11 @@ def _stored_dtype(tensor: WeightLike) -> str:
 
 def dequantized(weights: Iterable[tuple[str, WeightLike]], quantization: dict[str, Any]
                 ) -> Iterator[tuple[str, WeightLike]]:
-    """The checkpoint's tensors with every converted weight dense: packed ones (with their
-    ``weight_scale``) unpacked and divided by it, master weights (online) rounded to ternary."""
-    if quantization.get("linear_class", "bitlinear") == "autobitlinear":
+    """The checkpoint's tensors with every converted weight dense: stored ones (packed, or ternary as they
+    are) with their ``weight_scale`` (dividing for "bitlinear", multiplying for "autobitlinear"), master
+    weights (autobitlinear online) rounded to ternary."""
+    autobitlinear = quantization.get("linear_class", "bitlinear") == "autobitlinear"
+    if autobitlinear and quantization.get("quantization_mode", "offline") == "online":
         for name, tensor in weights:
             yield name, (ternary_weight(read_whole(tensor)) if name.endswith(_CONVERTED) else tensor)
         return
@@ -99,7 +110,7 @@ def dequantized(weights: Iterable[tuple[str, WeightLike]], quantization: dict[st
     for name, tensor in weights:
         if name.endswith(".weight_scale"):
             base, part = name.removesuffix("_scale"), "scale"
-        elif name.endswith(".weight") and _stored_dtype(tensor) == "U8":
+        elif name.endswith(".weight") and (_stored_dtype(tensor) == "U8" or name.endswith(_CONVERTED)):
             base, part = name, "packed"
         else:
             yield name, tensor
@@ -112,17 +123,19 @@ def dequantized(weights: Iterable[tuple[str, WeightLike]], quantization: dict[st
         scale = read_whole(held["scale"]).float().reshape(-1)
         if scale.numel() != 1:
             raise ValueError(f"bitnet checkpoint: {base}_scale holds {scale.numel()} values, one expected")
-        yield base, unpack_ternary(read_whole(held["packed"])).div_(scale[0])
+        stored = read_whole(held["packed"])
+        ternary = unpack_ternary(stored) if stored.dtype == torch.uint8 else stored.float()
+        yield base, ternary.mul_(scale[0]) if autobitlinear else ternary.div_(scale[0])
     if waiting:
         first = sorted(waiting)[:3]
         raise ValueError(f"bitnet checkpoint: incomplete quantized tensors {first} "
                          f"(holding {[sorted(waiting[m]) for m in first]})")
 
 
-def quantize_linear_inputs(model: nn.Module) -> None:
-    """Marks the decoder layers' attention and MLP projections to round their inputs per token (the
-    embedding and the LM head stay as they are)."""
+def quantize_linear_inputs(model: nn.Module, rounding: str) -> None:
+    """Marks the decoder layers' attention and MLP projections to round their inputs per token, in
+    ``rounding`` ("fp32" or "dtype"; the embedding and the LM head stay as they are)."""
     layers = model.model.layers
     for module in layers.modules():
         if isinstance(module, ColumnParallelLinear | RowParallelLinear):
-            module.quantize_input = True
+            module.quantize_input = rounding

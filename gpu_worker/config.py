@@ -106,7 +106,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "GPTNeoForCausalLM", "CodeGenForCausalLM", "OlmoHybridForCausalLM",
                            "HyperCLOVAXForCausalLM", "AXK1ForCausalLM", "NanoChatForCausalLM",
                            "Kolibri1ForCausalLM", "FlintForCausalLM", "BeamForCausalLM", "BitNetForCausalLM",
-                           "JetMoeForCausalLM")
+                           "JetMoeForCausalLM", "LongcatFlashForCausalLM", "BioGptForCausalLM", "XGLMForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -134,12 +134,13 @@ DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # MLA's models: DeepSeek's, MiniCPM3 (MLA with RoPE in halves, dense MLPs, muP-style scalings) and
 # GLM-4.7-Flash (Glm4MoeLiteForCausalLM: DeepSeek-V3's attention with GLM-4.5's experts).
 MLA_ARCHITECTURES = (*DEEPSEEK_ARCHITECTURES, "MiniCPM3ForCausalLM", "Glm4MoeLiteForCausalLM", "YoutuForCausalLM",
-                     "AXK1ForCausalLM")
+                     "AXK1ForCausalLM", "LongcatFlashForCausalLM")
 # transformers' defaults of each: (qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank, q_lora_rank,
 # v_head_dim; None: hidden_size / num_attention_heads).
 _MLA_DEFAULTS = {"DeepseekV2ForCausalLM": (128, 64, 512, 1536, 128), "DeepseekV3ForCausalLM": (128, 64, 512, 1536, 128),
                  "MiniCPM3ForCausalLM": (64, 32, 256, 768, None), "Glm4MoeLiteForCausalLM": (192, 64, 512, 768, 256),
-                 "YoutuForCausalLM": (128, 64, 512, 1536, 128), "AXK1ForCausalLM": (128, 64, 512, 1536, 128)}
+                 "YoutuForCausalLM": (128, 64, 512, 1536, 128), "AXK1ForCausalLM": (128, 64, 512, 1536, 128),
+                 "LongcatFlashForCausalLM": (128, 64, 512, 1536, 128)}
 # transformers' GptOssConfig defaults for the keys a GPT-OSS config may leave out (gpt-oss-20b's and
 # -120b's configs state them, but for swiglu_alpha; the experts' are _moe_from_dict's).
 GPT_OSS_DEFAULTS = {"head_dim": 64, "sliding_window": 128, "attention_bias": True, "rms_norm_eps": 1e-5,
@@ -242,7 +243,9 @@ NULL_KEEPING_DEFAULTS = {"MiniCPM3ForCausalLM": MINICPM3_DEFAULTS, "Glm4MoeLiteF
                          **GRANITE_SWA_DEFAULTS}
 # Another spelling of an architecture's name in released configs, read as transformers reads it.
 ARCHITECTURE_SPELLINGS = {"MiniCPM5MoEForCausalLM": "MiniCPM5MoeForCausalLM",
-                          "ExaoneMoEForCausalLM": "ExaoneMoeForCausalLM"}
+                          "ExaoneMoEForCausalLM": "ExaoneMoeForCausalLM",
+                          # (jetmoe-8b's remote code's name; transformers reads it by its model_type)
+                          "JetMoEForCausalLM": "JetMoeForCausalLM"}
 # transformers' defaults for the keys a config of these Llama-like families may leave out.
 LLAMA_LIKE_DEFAULTS = {
     "GlmForCausalLM": _GLM_DEFAULTS,
@@ -269,7 +272,7 @@ LLAMA_LIKE_DEFAULTS = {
     "HYV3ForCausalLM": {"vocab_size": 120832, "hidden_size": 4096, "intermediate_size": 13312, "num_hidden_layers": 80,
                         "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
                         "max_position_embeddings": 131072, "rms_norm_eps": 1e-5},
-    "JetMoeForCausalLM": {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 12,
+    "JetMoeForCausalLM": {"vocab_size": 32000, "hidden_size": 2048, "num_hidden_layers": 12,
                           "num_key_value_heads": 16, "kv_channels": 128, "max_position_embeddings": 4096,
                           "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2},
     "BitNetForCausalLM": {"vocab_size": 128256, "hidden_size": 2560, "intermediate_size": 6912, "num_hidden_layers": 30,
@@ -343,7 +346,7 @@ LAYER_NORM_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM", "Starcode
 UNGATED_MLP_ARCHITECTURES = ("Starcoder2ForCausalLM", "NemotronForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM",
                              *GPT_ARCHITECTURES, "OPTForCausalLM", "FalconForCausalLM", "ApertusForCausalLM",
                              "BloomForCausalLM", *MPT_ARCHITECTURES, "PersimmonForCausalLM", "Jais2ForCausalLM",
-                             "GPTNeoForCausalLM", "NanoChatForCausalLM")
+                             "GPTNeoForCausalLM", "NanoChatForCausalLM", "BioGptForCausalLM", "XGLMForCausalLM")
 UNGATED_ACTIVATIONS = ("relu", "relu2", "gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh", "xielu")
 # transformers' Qwen3NextConfig defaults for the keys a Qwen3-Next config may leave out.
 QWEN3_NEXT_DEFAULTS = {"head_dim": 256, "partial_rotary_factor": 0.25, "linear_conv_kernel_dim": 4,
@@ -489,7 +492,8 @@ def _rope_from_dict(arch: str, cfg: dict[str, Any]) -> tuple[float, dict[str, An
                      "Ernie4_5ForCausalLM": 500_000.0, "Ernie4_5_MoeForCausalLM": 500_000.0,
                      "FlexOlmoForCausalLM": 500_000.0, "CwmForCausalLM": 1_000_000.0,
                      "MiniCPM5MoeForCausalLM": 5_000_000.0, "SolarOpenForCausalLM": 1_000_000.0,
-                     "HYV3ForCausalLM": 11_158_840.0, "BitNetForCausalLM": 500_000.0}.get(arch, 10000.0)
+                     "HYV3ForCausalLM": 11_158_840.0, "BitNetForCausalLM": 500_000.0,
+                     "LongcatFlashForCausalLM": 10_000_000.0}.get(arch, 10000.0)
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params:
         params = params["full_attention"]
@@ -1887,12 +1891,49 @@ def _gpt_config(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     return {**cfg, "attention_bias": True, "mlp_bias": True, "num_key_value_heads": 1 if multi_query else heads}
 
 
+def _longcat_flash_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """LongCat-Flash's keys as ours: transformers' LongcatFlashConfig defaults for what a config leaves out;
+    its num_layers layers served as twice as many half-layers (an attention and a dense MLP of
+    ffn_hidden_size each); its query and key heads as wide as qk_nope_head_dim + qk_rope_head_dim."""
+    cfg = {"vocab_size": 131072, "hidden_size": 6144, "num_layers": 28, "num_attention_heads": 64,
+           "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "ffn_hidden_size": 12288,
+           "bos_token_id": 1, "eos_token_id": 2, **{k: v for k, v in cfg.items() if v is not None}}
+    nope, rope = int(cfg.get("qk_nope_head_dim") or 128), int(cfg.get("qk_rope_head_dim") or 64)
+    for key in ("mla_scale_q_lora", "mla_scale_kv_lora"):  # (its remote code's switches: transformers always scales)
+        if cfg.get(key) is False:
+            raise ValueError(f"LongcatFlashForCausalLM with {key} false is not served (transformers always scales)")
+    if cfg.get("zero_expert_type", "identity") != "identity":
+        raise ValueError(f"LongcatFlashForCausalLM's zero experts are served as identities, not "
+                         f"{cfg['zero_expert_type']!r}")
+    if cfg.get("qk_head_dim") is not None and int(cfg["qk_head_dim"]) != nope + rope:
+        raise ValueError(f"LongcatFlashForCausalLM's qk_head_dim ({cfg['qk_head_dim']}) must be qk_nope_head_dim + "
+                         f"qk_rope_head_dim ({nope + rope})")
+    return {**cfg, "num_hidden_layers": 2 * int(cfg["num_layers"]), "intermediate_size": int(cfg["ffn_hidden_size"]),
+            "rope_interleave": True}
+
+
 def _jetmoe_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """JetMoE's keys as ours: heads of kv_channels, each token's query heads num_key_value_heads for each of
-    its num_experts_per_tok attention experts, the experts' activation activation_function."""
+    """JetMoE's keys as ours, from transformers' JetMoeConfig names or, as jetmoe-8b's remote code wrote them,
+    moe_num_experts, moe_top_k and ffn_hidden_size: heads of kv_channels, each token's query heads
+    num_key_value_heads for each of its num_experts_per_tok attention experts (a stated num_attention_heads
+    must say so), the experts' activation activation_function (silu: FusedMoE's); its remote code's glu
+    and bias switches off are refused (transformers' model has both)."""
+    aliases = {"num_local_experts": "moe_num_experts", "num_experts_per_tok": "moe_top_k",
+               "intermediate_size": "ffn_hidden_size"}
+    cfg = {**cfg, **{ours: cfg[theirs] for ours, theirs in aliases.items()
+                     if cfg.get(ours) is None and cfg.get(theirs) is not None}}
+    cfg.setdefault("intermediate_size", 5632)
+    for switch in ("glu", "bias"):
+        if cfg.get(switch) is False:
+            raise ValueError(f"JetMoeForCausalLM with {switch} false is not served (transformers' model has them)")
     kv_heads, top_k = int(cfg["num_key_value_heads"]), int(cfg.get("num_experts_per_tok") or 2)
-    return {**cfg, "head_dim": int(cfg["kv_channels"]), "num_attention_heads": kv_heads * top_k,
-            "hidden_act": cfg.get("activation_function") or "silu"}
+    if cfg.get("num_attention_heads") is not None and int(cfg["num_attention_heads"]) != kv_heads * top_k:
+        raise ValueError(f"JetMoeForCausalLM's num_attention_heads ({cfg['num_attention_heads']}) must be "
+                         f"num_key_value_heads x num_experts_per_tok ({kv_heads * top_k})")
+    act = cfg.get("activation_function") or "silu"
+    if act != "silu":
+        raise ValueError(f"JetMoeForCausalLM's experts are served with activation_function 'silu', not {act!r}")
+    return {**cfg, "head_dim": int(cfg["kv_channels"]), "num_attention_heads": kv_heads * top_k, "hidden_act": act}
 
 
 def _gpt_neo_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -1923,6 +1964,27 @@ def _gpt_neo_config(cfg: dict[str, Any]) -> dict[str, Any]:
 _OPT_DEFAULTS = {"vocab_size": 50272, "hidden_size": 768, "num_hidden_layers": 12, "ffn_dim": 3072,
                  "max_position_embeddings": 2048, "num_attention_heads": 12, "activation_function": "relu",
                  "enable_bias": True, "tie_word_embeddings": True}
+
+
+def _biogpt_xglm_config(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """BioGPT's and XGLM's configs in the other families' key names, with transformers' defaults for what a
+    config leaves out: OPT's layer (LayerNorms of epsilon 1e-5 before attention and an ungated MLP, biases
+    everywhere) over multi-head attention; XGLM's names d_model, ffn_dim, attention_heads, num_layers."""
+    if arch == "XGLMForCausalLM":
+        cfg = {"vocab_size": 256008, "max_position_embeddings": 2048, "d_model": 1024, "ffn_dim": 4096,
+               "num_layers": 24, "attention_heads": 16, "activation_function": "gelu", "scale_embedding": True,
+               "tie_word_embeddings": True, "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2,
+               **{k: v for k, v in cfg.items() if v is not None}}
+        cfg = {**cfg, "hidden_size": cfg["d_model"], "intermediate_size": cfg["ffn_dim"],
+               "num_hidden_layers": cfg["num_layers"], "num_attention_heads": cfg["attention_heads"],
+               "hidden_act": cfg["activation_function"]}
+    else:
+        cfg = {"vocab_size": 42384, "hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16,
+               "intermediate_size": 4096, "hidden_act": "gelu", "max_position_embeddings": 1024,
+               "scale_embedding": True, "tie_word_embeddings": True, "pad_token_id": 1, "bos_token_id": 0,
+               "eos_token_id": 2, **{k: v for k, v in cfg.items() if v is not None}}
+    return {**cfg, "num_key_value_heads": int(cfg["num_attention_heads"]), "attention_bias": True, "mlp_bias": True,
+            "rms_norm_eps": 1e-5}
 
 
 def _opt_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -2086,8 +2148,17 @@ def _alibi_fields(arch: str, cfg: dict[str, Any], head_dim: int, num_layers: int
 
 
 def _learned_positions_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
-    """GPT-2's, GPTBigCode's and OPT's learned positions in place of RoPE (OPT's table from its third
-    row), and GPT-2's unscaled scores where scale_attn_weights is off."""
+    """GPT-2's, GPTBigCode's, OPT's and BioGPT's learned positions in place of RoPE (OPT's and BioGPT's
+    table from its third row), XGLM's sinusoidal ones (alike), and GPT-2's unscaled scores where
+    scale_attn_weights is off; BioGPT's and XGLM's token embeddings scaled by sqrt(hidden) under
+    scale_embedding."""
+    if arch in ("BioGptForCausalLM", "XGLMForCausalLM"):
+        pad = cfg.get("pad_token_id")
+        return {"learned_positions": True, "rope_layers": (False,) * num_layers, "position_offset": 2,
+                "sinusoidal_positions": arch == "XGLMForCausalLM",
+                "position_padding_row": None if arch != "XGLMForCausalLM" or pad is None else int(pad),
+                "token_embedding_scale": math.sqrt(int(cfg["hidden_size"])) if cfg.get("scale_embedding", True)
+                else 1.0}
     if arch not in LEARNED_POSITION_ARCHITECTURES:
         return {}
     return {"learned_positions": True, "rope_layers": (False,) * num_layers,
@@ -2337,6 +2408,16 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
             return {}
         return dict(num_experts=read("num_experts", 0), num_experts_per_tok=read("num_experts_per_tok", 2),
                     moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True)
+    if arch == "LongcatFlashForCausalLM":
+        # LongCat-Flash's shortcut experts (in each even half-layer, beside its dense MLP: ModelConfig's
+        # moe_layers say none replaces a dense MLP): the softmax over n_routed_experts + zero_expert_num,
+        # the top k through the correction bias, times routed_scaling_factor, not renormalised.
+        return dict(num_experts=read("n_routed_experts", 512, "num_local_experts"),
+                    num_experts_per_tok=read("moe_topk", 12, "num_experts_per_tok"),
+                    moe_intermediate_size=read("expert_ffn_hidden_size", 2048, "moe_intermediate_size"),
+                    moe_zero_experts=read("zero_expert_num", 256), norm_topk_prob=False,
+                    routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 6.0),
+                    moe_layers=(False,) * num_layers)
     if arch == "JetMoeForCausalLM":
         # JetMoE's: routed experts of intermediate_size in every layer (and as many attention experts), the
         # softmax over the top k logits (the renormalised top k of the softmax).
@@ -2743,6 +2824,8 @@ class ModelConfig:
     moe_scoring: str = "softmax"
     sparsemixer_jitter_eps: float = 0.0
     moe_correction_bias: bool = False
+    # LongCat-Flash's "zero experts": that many more router choices, each returning its input.
+    moe_zero_experts: int = 0
     # The router in fp32 whatever the model's dtype (Hunyuan MoE's gate.wg, as transformers keeps it;
     # the grouped routers' always are).
     moe_router_fp32: bool = False
@@ -2798,6 +2881,11 @@ class ModelConfig:
     # GPT-2, GPTBigCode, OPT: a learned table of a row per position (max_position_embeddings of them,
     # after position_offset unread ones) added to the token embeddings, in place of RoPE.
     learned_positions: bool = False
+    # XGLM: the positions' table is fairseq's fixed sinusoids (not read), its row position_padding_row zero.
+    sinusoidal_positions: bool = False
+    position_padding_row: int | None = None
+    # BioGPT, XGLM: the token embeddings (not prompt embeddings given) times this, before positions are added.
+    token_embedding_scale: float = 1.0
     # OLMo, OLMoE, MPT: q, k (after any norms) and v clamped to [-clip_qkv, clip_qkv] (None: not clamped).
     clip_qkv: float | None = None
     # BLOOM, MPT, falcon-rw: ALiBi's linear biases by distance in place of RoPE, the slopes of
@@ -3143,6 +3231,8 @@ class ModelConfig:
             cfg = _gpt_config(arch, cfg)
         if arch == "OPTForCausalLM":
             cfg = _opt_config(cfg)
+        if arch in ("BioGptForCausalLM", "XGLMForCausalLM"):
+            cfg = _biogpt_xglm_config(arch, cfg)
         if arch == "GPTNeoForCausalLM":
             cfg = _gpt_neo_config(cfg)
         if arch == "FalconForCausalLM":
@@ -3179,6 +3269,8 @@ class ModelConfig:
             cfg = {**LLAMA_LIKE_DEFAULTS[arch], **{k: v for k, v in cfg.items() if v is not None}}
         if arch == "JetMoeForCausalLM":
             cfg = _jetmoe_config(cfg)
+        if arch == "LongcatFlashForCausalLM":
+            cfg = _longcat_flash_config(cfg)
         if arch == "ApertusForCausalLM" and not cfg.get("rope_parameters") and not cfg.get("rope_scaling"):
             cfg = {**cfg, "rope_parameters": dict(APERTUS_ROPE_DEFAULTS)}  # (transformers' ApertusConfig's)
         if arch == "CwmForCausalLM":  # (transformers' CwmConfig: llama3 RoPE, every fourth layer from 0 full)

@@ -202,6 +202,9 @@ class _ExecutorBase(Executor):
                                    lora=config.lora_config is not None)
             except ValueError as e:
                 raise ValueError(f"engine {config.engine_index}: {e}") from None
+        if self.model_config.architecture == "BitNetForCausalLM" and config.tensor_parallel_size > 1:
+            raise ValueError(f"engine {config.engine_index}: BitNetForCausalLM is served on one tensor-parallel "
+                             "rank (its norms inside each sublayer span whole rows)")
         pp = config.pipeline_parallel_size
         if pp > 1 and (refusal := pipeline_refusal(self.model_config, pp, embeds_only)):
             raise ValueError(f"engine {config.engine_index}: pipeline_parallel_size {pp}: {refusal}")

@@ -6,6 +6,8 @@ padded rows are zero and their logits are cut off after the gather.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -59,6 +61,27 @@ class PositionEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         return F.embedding(positions + self.offset if self.offset else positions, self.weight)
+
+
+class SinusoidalPositionEmbedding(nn.Module):
+    """fairseq's fixed sinusoidal positions (XGLM's): row r is [sin(r w_0..w_{h-1}), cos(r w_0..w_{h-1})],
+    w_i = 10000 ** (-i / (h - 1)) for h = dim / 2 (a zero column after an odd dim), the row ``padding_row``
+    zero; position p is row p + offset. A buffer computed here, not read from a checkpoint."""
+
+    def __init__(self, num_positions: int, embedding_dim: int, offset: int = 2, padding_row: int | None = None) -> None:
+        super().__init__()
+        self.offset = offset
+        half = embedding_dim // 2
+        rates = torch.exp(torch.arange(half, dtype=torch.float32) * -(math.log(10000) / (half - 1)))
+        angles = torch.arange(num_positions + offset, dtype=torch.float32).unsqueeze(1) * rates.unsqueeze(0)
+        table = torch.cat((torch.sin(angles), torch.cos(angles), torch.zeros(len(angles), embedding_dim % 2)), dim=1)
+        if padding_row is not None and 0 <= padding_row < len(table):
+            table[padding_row] = 0
+        # (computed in fp32, held in the model's dtype: the one it is built in)
+        self.register_buffer("weight", table.to(torch.get_default_dtype()), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return F.embedding(positions + self.offset, self.weight)
 
 
 class ParallelLMHead(VocabParallelEmbedding):

@@ -47,6 +47,8 @@ from gpu_worker.models.llama import (
     SkipsMtpLayers,
 )
 
+_LATENT_NORM_EPS = 1e-6
+
 
 class MLAAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int = 0, norm_class: type[RMSNorm] = RMSNorm) -> None:
@@ -55,9 +57,11 @@ class MLAAttention(nn.Module):
         self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         self.kv_lora = config.kv_lora_rank
         qk = self.nope + self.rope
+        # (The latent norms' epsilon is RMSNorm's default, 1e-6, whatever rms_norm_eps says: in DeepSeek's
+        # own code and in transformers' for every MLA family; vLLM reads rms_norm_eps.)
         if config.q_lora_rank:
             self.q_a_proj = nn.Linear(hidden, config.q_lora_rank, bias=config.qkv_bias).requires_grad_(False)
-            self.q_a_layernorm = norm_class(config.q_lora_rank, config.rms_norm_eps)
+            self.q_a_layernorm = norm_class(config.q_lora_rank, _LATENT_NORM_EPS)
             self.q_b_proj = ColumnParallelLinear(config.q_lora_rank, heads * qk)
             self.q_proj = None
         else:
@@ -65,7 +69,7 @@ class MLAAttention(nn.Module):
             self.q_proj = ColumnParallelLinear(hidden, heads * qk)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora + self.rope,
                                             bias=config.qkv_bias).requires_grad_(False)
-        self.kv_a_layernorm = norm_class(self.kv_lora, config.rms_norm_eps)
+        self.kv_a_layernorm = norm_class(self.kv_lora, _LATENT_NORM_EPS)
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora, heads * (self.nope + self.v_dim))
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias=config.o_proj_bias)
         self.num_heads = self.kv_b_proj.output_size_per_partition // (self.nope + self.v_dim)
@@ -116,7 +120,7 @@ class DeepseekV2ForCausalLM(SkipsMtpLayers, LlamaForCausalLM):
 
     def lora_b_rows(self, module: str, b: torch.Tensor) -> torch.Tensor:
         """A LoRA adapter's B for ``module``, its rows in the order the base weight's were loaded in."""
-        if self.config.rope_interleave and module.endswith(".self_attn.q_proj"):
+        if self.config.rope_interleave and module.endswith((".self_attn.q_proj", ".self_attn.q_b_proj")):
             return query_rows_in_halves(self.config, b)
         return b
 

@@ -84,23 +84,27 @@ class MixtureOfAttentionHeads(nn.Module):
         logits = self.router.forward(hidden).float()
         top_logits, chosen = logits.topk(k, dim=-1)
         gates = torch.softmax(top_logits, dim=-1).to(hidden.dtype)
+        # Each expert's (token, slot) pairs, found once (one sync with the host a layer).
+        order = chosen.flatten().argsort()
+        counts = torch.bincount(chosen.flatten(), minlength=self.q_experts.shape[0]).tolist()
+        groups = [(expert, pairs) for expert, pairs in enumerate(order.split(counts)) if len(pairs)]
         # Each (token, slot)'s queries from its expert: [n, k, heads * d].
-        q = hidden.new_empty(n, k, heads * d)
-        for expert in chosen.unique().tolist():
-            rows, slots = (chosen == expert).nonzero(as_tuple=True)
-            q[rows, slots] = hidden[rows] @ self.q_experts[expert].t()
+        q = hidden.new_empty(n * k, heads * d)
+        for expert, pairs in groups:
+            q[pairs] = hidden[pairs // k] @ self.q_experts[expert].t()
+        q = q.view(n, k, heads * d)
         keys, values = self.kv_proj.forward(hidden).split(heads * d, dim=-1)
         # Query heads grouped by key head: [n, heads, k, d] -> heads x k query heads, h's k queries together.
         qk = torch.cat((q.view(n, k, heads, d).transpose(1, 2).reshape(n, heads * k, d), keys.view(n, heads, d)),
                        dim=1)
         RotaryEmbedding.rotate_(qk, rope[0], rope[1])
         out = self.attn.forward(qk[:, : heads * k], qk[:, heads * k:], values.reshape(n, heads, d), meta)
-        per_slot = out.view(n, heads, k, d).transpose(1, 2).reshape(n, k, heads * d)
+        per_slot = out.view(n, heads, k, d).transpose(1, 2).reshape(n * k, heads * d)
+        weights = gates.flatten()
         result = torch.zeros_like(hidden)
-        for expert in chosen.unique().tolist():
-            rows, slots = (chosen == expert).nonzero(as_tuple=True)
-            projected = per_slot[rows, slots] @ self.o_experts[expert].t()
-            result.index_add_(0, rows, projected * gates[rows, slots, None])
+        for expert, pairs in groups:
+            projected = per_slot[pairs] @ self.o_experts[expert].t()
+            result.index_add_(0, pairs // k, projected * weights[pairs, None])
         if self.tp_size > 1 and not self.replicated:
             distributed.all_reduce(result)
         return result + self.o_bias

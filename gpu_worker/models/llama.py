@@ -23,7 +23,12 @@ from gpu_worker.attn_metadata import AttentionMetadata
 from gpu_worker.config import ModelConfig
 from gpu_worker.layers.activation import gated_activation, ungated_activation
 from gpu_worker.layers.attention import PagedAttention, alibi_slopes
-from gpu_worker.layers.embedding import ParallelLMHead, PositionEmbedding, VocabParallelEmbedding
+from gpu_worker.layers.embedding import (
+    ParallelLMHead,
+    PositionEmbedding,
+    SinusoidalPositionEmbedding,
+    VocabParallelEmbedding,
+)
 from gpu_worker.layers.encoder_attention import EncoderAttention
 from gpu_worker.layers.fused_moe import FusedMoE, select_experts, select_experts_grouped, select_experts_sparsemixer
 from gpu_worker.layers.layernorm import LayerNorm, RMSNorm
@@ -341,6 +346,8 @@ def pipeline_refusal(config: ModelConfig, pp_size: int, pooling: bool = False) -
         return f"pipeline parallelism does not split a model with {config.mamba.layer_name} layers yet"
     if config.num_hidden_layers < pp_size:
         return f"the model has only {config.num_hidden_layers} layers to split into {pp_size} stages"
+    if config.architecture == "LongcatFlashForCausalLM":  # (a shortcut crosses from each even half-layer on)
+        return "pipeline parallelism does not split LongCat-Flash's layers (their shortcut experts) yet"
     return None
 
 
@@ -379,9 +386,14 @@ class LlamaModel(nn.Module):
         self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size) if stage.holds_embedding
                              else PPMissingLayer())
         # GPT-2's, GPTBigCode's and OPT's learned positions, added to the first layer's input.
-        self.embed_positions = (PositionEmbedding(config.max_position_embeddings, config.hidden_size,
-                                                  config.position_offset)
+        self.embed_positions = ((SinusoidalPositionEmbedding(config.max_position_embeddings, config.hidden_size,
+                                                             config.position_offset, config.position_padding_row)
+                                 if config.sinusoidal_positions else
+                                 PositionEmbedding(config.max_position_embeddings, config.hidden_size,
+                                                   config.position_offset))
                                 if config.learned_positions and stage.first else None)
+        # BioGPT's and XGLM's token embeddings times sqrt(hidden_size) (not prompt embeddings given).
+        self.token_embedding_scale = config.token_embedding_scale
         # BLOOM's LayerNorm over the first layer's input (the tokens' embeddings, or those given).
         self.embed_norm = (self.layer_class.norm_class(config.hidden_size, config.rms_norm_eps)
                            if config.embedding_norm and stage.first else None)
@@ -425,6 +437,8 @@ class LlamaModel(nn.Module):
         gain values[i] (an image's features from its tower's inner blocks)."""
         if intermediate is None:
             hidden = self.embed_tokens.forward(input_ids) if inputs_embeds is None else inputs_embeds
+            if inputs_embeds is None and self.token_embedding_scale != 1.0:
+                hidden = hidden * self.token_embedding_scale
             if self.embed_positions is not None:
                 hidden = hidden + self.embed_positions.forward(positions)
             if self.embed_norm is not None:
@@ -505,7 +519,9 @@ class LlamaForCausalLM(nn.Module):
         """The embedding's rows for ``input_ids`` (what transformers' ``get_input_embeddings()`` gives):
         what a prompt given as embeddings replaces (BLOOM's norm over them, and GPT-2's positions, are
         still applied to the rows given, as transformers applies them to ``inputs_embeds``)."""
-        return self.model.embed_tokens.forward(input_ids)
+        rows = self.model.embed_tokens.forward(input_ids)
+        scale = self.config.token_embedding_scale  # (BioGPT's, XGLM's: their embedding module scales)
+        return rows if scale == 1.0 else rows * scale
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full-vocab logits on TP rank 0, None on the other ranks."""

@@ -5,7 +5,8 @@ the head tied to the embedding. The checkpoints' ``decoder`` (under ``model.`` o
 names (self_attn_layer_norm, final_layer_norm, out_proj, fc1 and fc2 beside them) are read as ours.
 
 opt-350m's layout is not served (its norms after each sublayer, do_layer_norm_before false, and its
-embeddings narrower than its layers, word_embed_proj_dim): ModelConfig refuses it.
+embeddings narrower than its layers, word_embed_proj_dim): ModelConfig refuses it. BioGPT and XGLM are
+OPT's layers with scaled token embeddings (and XGLM's sinusoidal positions).
 """
 
 from __future__ import annotations
@@ -37,3 +38,24 @@ class OPTForCausalLM(RenamedCheckpoint, LlamaForCausalLM):
                 name = "model." + name[len(prefix):]
                 break
         return rename_parts(name, self.renames)
+
+
+class BioGptForCausalLM(OPTForCausalLM):
+    """Microsoft's BioGPT (BioGptForCausalLM: biogpt, BioGPT-Large, BioGPT-Large-PubMedQA): OPT's layers (GELU)
+    with its token embeddings times sqrt(hidden_size) (scale_embedding) before the learned positions are
+    added; its ``biogpt.`` names, ``layer_norm`` (the final norm) and ``output_projection`` (the head)
+    read as ours."""
+
+    renames = (("model.layer_norm.", "model.norm."), *OPTForCausalLM.renames)
+
+    def ours(self, name: str) -> str:
+        if name.startswith("biogpt."):
+            name = "model." + name[len("biogpt."):]
+        elif name.startswith("output_projection."):
+            name = "lm_head." + name[len("output_projection."):]
+        return rename_parts(name, self.renames)
+
+
+class XGLMForCausalLM(BioGptForCausalLM):
+    """Meta's XGLM (XGLMForCausalLM: xglm-564M .. 7.5B): BioGPT's arrangement with fairseq's fixed sinusoidal
+    positions (ModelConfig.sinusoidal_positions, nothing read for them); its names under ``model.``."""

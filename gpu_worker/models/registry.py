@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from gpu_worker import distributed
-from gpu_worker.bitnet_checkpoint import check_bitnet_model, quantize_linear_inputs
+from gpu_worker.bitnet_checkpoint import check_bitnet_model, input_rounding, quantize_linear_inputs
 from gpu_worker.config import ModelConfig
 from gpu_worker.models.afmoe import AfmoeForCausalLM
 from gpu_worker.models.apertus import ApertusForCausalLM
@@ -93,6 +93,7 @@ from gpu_worker.models.llama import (
 )
 from gpu_worker.models.llama4 import Llama4ForCausalLM
 from gpu_worker.models.llava import llava_class
+from gpu_worker.models.longcat_flash import LongcatFlashForCausalLM
 from gpu_worker.models.mimo_v2_flash import MiMoV2FlashForCausalLM
 from gpu_worker.models.minicpm5_moe import MiniCPM5MoeForCausalLM
 from gpu_worker.models.minimax_m2 import MiniMaxM2ForCausalLM
@@ -116,7 +117,7 @@ from gpu_worker.models.olmo2 import (
     OlmoForCausalLM,
 )
 from gpu_worker.models.olmo_hybrid import OlmoHybridForCausalLM
-from gpu_worker.models.opt import OPTForCausalLM
+from gpu_worker.models.opt import BioGptForCausalLM, OPTForCausalLM, XGLMForCausalLM
 from gpu_worker.models.paired_rope import Ernie4_5_MoeForCausalLM, Ernie4_5ForCausalLM, HeliumForCausalLM
 from gpu_worker.models.pixtral import pixtral_class
 from gpu_worker.models.qwen2_vl import Qwen2VLForConditionalGeneration
@@ -232,6 +233,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "BeamForCausalLM": BeamForCausalLM,
     "BitNetForCausalLM": BitNetForCausalLM,
     "JetMoeForCausalLM": JetMoeForCausalLM,
+    "LongcatFlashForCausalLM": LongcatFlashForCausalLM,
+    "BioGptForCausalLM": BioGptForCausalLM,
+    "XGLMForCausalLM": XGLMForCausalLM,
     "MiMoV2FlashForCausalLM": MiMoV2FlashForCausalLM,
     "GraniteSWAForCausalLM": GraniteSWAForCausalLM,
     "GraniteMoeSWAForCausalLM": GraniteMoeSWAForCausalLM,
@@ -284,5 +288,5 @@ def build_model(config: ModelConfig) -> nn.Module:
         check_bitnet_model(config.architecture, distributed.get_tp_world_size(), lora=False)
     model = model_class(config)
     if config.quantization == "bitnet":
-        quantize_linear_inputs(model)
+        quantize_linear_inputs(model, input_rounding(config.quantization_config))
     return model

@@ -27,7 +27,7 @@ KINDS = ["llama", "qwen2", "qwen3", "phi3", "mistral", "mixtral", "qwen2_moe", "
          "jais2", "solar_open", "youtu", "afmoe", "laguna", "mellum", "hy_v3",
          "mimo_v2_flash", "granite_swa", "granitemoe_swa", "cohere2_moe", "gpt_neo", "codegen",
          "hyperclovax", "axk1", "nanochat", "kolibri1", "flint", "beam", "bitnet",
-         "jetmoe"]
+         "jetmoe", "longcat_flash", "biogpt", "xglm"]
 # (Mistral's window of 8 keys is crossed by most prompts; Gemma 3 alternates windowed and full layers.)
 OVERRIDES = {"mistral": {"sliding_window": 8}, "cohere": {"use_qk_norm": True},
              "stablelm": {"use_parallel_residual": True, "qk_layernorm": True},
@@ -187,7 +187,7 @@ def test_bf16_logprobs_are_transformers_fp32_ones_within_bf16_precision(tmp_path
     moe = "moe" in kind or kind in ("mixtral", "gpt_oss", "deepseek_v3", "deepseek_v2", "minimax_m2", "qwen3_next",
                                     "jamba", "llama4", "dots1", "phimoe", "dbrx", "glm4_moe_lite", "gemma4",
                                     "solar_open", "afmoe", "laguna", "mellum", "hy_v3", "axk1", "kolibri1", "flint",
-                                    "beam", "jetmoe", "mimo_v2_flash", "granitemoe_swa", "cohere2_moe")
+                                    "beam", "jetmoe", "longcat_flash", "mimo_v2_flash", "granitemoe_swa", "cohere2_moe")
     hf_bf16 = load_hf(path).to(torch.bfloat16) if moe else None
     errors, hf_bf16_errors = [], []
     for prompt, out in zip(PROMPTS, outputs, strict=True):

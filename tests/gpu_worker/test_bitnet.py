@@ -48,21 +48,24 @@ def _pack(ternary: torch.Tensor) -> torch.Tensor:
     return pack_weights(ternary.to(torch.int8).clone())
 
 
-def save_packed(path: Path, kind: str) -> Path:
-    """A tiny model whose converted projections are stored as released: four ternary values a byte, each
-    beside a weight_scale dividing the output (1 / mean |W| of the master weight)."""
+def save_packed(path: Path, kind: str, linear_class: str = "bitlinear", packed: bool = True) -> Path:
+    """A tiny model whose converted projections are stored as released: four ternary values a byte (or, not
+    ``packed``, the ternary values as they are), each beside a weight_scale: dividing the output under
+    "bitlinear" (Falcon3's: 1 / mean |W| of the master weight), multiplying it under "autobitlinear"
+    (bitnet-b1.58-2B-4T's: mean |W|)."""
     save_tiny_model(path, kind)
     weights = load_file(str(path / "model.safetensors"))
-    packed = {}
+    stored = {}
     for name, tensor in weights.items():
         if name.endswith(_CONVERTED):
             scale = tensor.abs().mean().clamp(min=1e-5)
-            packed[name] = _pack((tensor / scale).round().clamp(-1, 1))
-            packed[name + "_scale"] = (1.0 / scale).reshape(1).to(torch.float32)
+            ternary = (tensor / scale).round().clamp(-1, 1)
+            stored[name] = _pack(ternary) if packed else ternary
+            stored[name + "_scale"] = (scale if linear_class == "autobitlinear" else 1.0 / scale).reshape(1)
         else:
-            packed[name] = tensor
-    save_file(packed, str(path / "model.safetensors"), metadata={"format": "pt"})
-    _with_quantization(path, {"quant_method": "bitnet", "linear_class": "bitlinear", "quantization_mode": "offline",
+            stored[name] = tensor
+    save_file(stored, str(path / "model.safetensors"), metadata={"format": "pt"})
+    _with_quantization(path, {"quant_method": "bitnet", "linear_class": linear_class, "quantization_mode": "offline",
                               "modules_to_not_convert": ["lm_head"]})
     return path
 
@@ -100,13 +103,24 @@ def test_per_token_rounding_is_transformers_act_quant():
     w = torch.randn(16, 8)
     torch.testing.assert_close(ternary_weight(w), WeightQuant.forward(None, w), atol=0, rtol=0)
     assert fake_quantize_per_token(x).unique().numel() <= 6 * 256
+    # (BitLinear rounds in the input's dtype: the same integers in bf16)
+    from transformers.integrations.bitnet import BitLinear
+
+    xb = x.to(torch.bfloat16)
+    integers, scale = BitLinear.activation_quant(None, xb)
+    torch.testing.assert_close(fake_quantize_per_token(xb, in_fp32=False), (integers.to(torch.bfloat16) / scale),
+                               atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["bitnet", "llama"], ids=["bitnet", "llama_falcon3_style"])
-def test_packed_checkpoints_give_transformers_bitlinear_logits(tmp_path, kind):
-    """Packed ternary weights and their scales, every converted layer's input rounded per token: the logits
-    transformers' BitLinear layers give (BitNet's own model, and Llama's as Falcon3's 1.58-bit models are)."""
-    path = save_packed(tmp_path, kind)
+@pytest.mark.parametrize(("kind", "linear_class", "packed"), [
+    ("bitnet", "autobitlinear", True), ("bitnet", "autobitlinear", False), ("bitnet", "bitlinear", True),
+    ("llama", "bitlinear", True)], ids=["bitnet_2b4t_style", "bitnet_unpacked", "bitnet_bitlinear",
+                                        "llama_falcon3_style"])
+def test_packed_checkpoints_give_transformers_bitlinear_logits(tmp_path, kind, linear_class, packed):
+    """Ternary weights (packed or not) and their scales, every converted layer's input rounded per token: the
+    logits transformers' AutoBitLinear (bitnet-b1.58-2B-4T as released: the scale multiplies) or BitLinear
+    (Falcon3's: it divides) layers give, on BitNet's own model and on Llama's."""
+    path = save_packed(tmp_path, kind, linear_class, packed)
     config = ModelConfig.from_pretrained(path)
     assert config.quantization == "bitnet"
     runner = make_runner(path)
@@ -145,9 +159,10 @@ def test_packed_checkpoint_greedy_tokens_through_the_engine(tmp_path):
 
 
 @pytest.mark.parametrize(("changes", "message"), [
-    ({"linear_class": "autobitlinear", "quantization_mode": "offline"}, "autobitlinear"),
+    ({"quantization_mode": "later"}, "quantization_mode"),
     ({"use_rms_norm": True}, "use_rms_norm"),
-    ({"modules_to_not_convert": ["lm_head", "model.layers.0.mlp.down_proj"]}, "other than lm_head"),
+    ({"modules_to_not_convert": ["lm_head", "model.layers.0.mlp.down_proj"]}, "lm_head alone"),
+    ({"modules_to_not_convert": []}, "lm_head alone"),  # (transformers would convert the head too)
     ({"linear_class": "other"}, "linear_class"),
 ])
 def test_variants_not_served_are_refused(changes, message):
@@ -169,13 +184,14 @@ def test_tensor_parallelism_lora_and_other_families_are_refused(tmp_path):
 @pytest.mark.parametrize(("options", "refusal"), [
     ({"tensor_parallel_size": 2}, "one tensor-parallel rank"),
     ({"enable_lora": True}, "LoRA adapters are not served on bitnet"),
+    ({"tensor_parallel_size": 2, "unquantized": True}, "BitNetForCausalLM is served on one tensor-parallel rank"),
 ])
 def test_an_engine_refuses_what_bitnet_checkpoints_are_not_served_with(tmp_path, options, refusal):
     from engine_core.config import EngineConfig, LoRAConfig, SchedulerConfig
     from gpu_worker.executor import create_executor
     from tests.tiny_model import build_tokenizer
 
-    path = save_packed(tmp_path, "bitnet")
+    path = save_tiny_model(tmp_path, "bitnet") if options.pop("unquantized", False) else save_packed(tmp_path, "bitnet")
     build_tokenizer().save_pretrained(path)
     lora = {"lora_config": LoRAConfig()} if options.pop("enable_lora", False) else {}
     with pytest.raises(ValueError, match=refusal):

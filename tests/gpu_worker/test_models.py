@@ -168,6 +168,14 @@ CASES = {
     "flint_all_routed_unnormalised_mqa": ("flint", {"layer_types": ["sliding_attention", "full_attention"],
                                                     "mlp_only_layers": [], "norm_topk_prob": False,
                                                     "num_key_value_heads": 1}),
+    # LongCat-Flash: latent attention (queries and latent scaled) and a dense MLP in each half-layer, the
+    # shortcut experts (8 routed, 4 zero) from the first half's MLP input added after the second; two layers
+    # without zero experts, tied; more zero experts than routed ones, three a token.
+    "longcat_flash": ("longcat_flash", {}),
+    "longcat_flash_two_layers_no_zero_experts_tied": ("longcat_flash", {"num_hidden_layers": 4, "zero_expert_num": 0,
+                                                                       "tie_word_embeddings": True}),
+    "longcat_flash_more_zero_experts": ("longcat_flash", {"zero_expert_num": 12, "moe_topk": 3,
+                                                          "routed_scaling_factor": 6.0}),
     # JetMoE: a mixture of attention heads (each token's two experts' query and output projections around
     # shared keys and values) and routed MLP experts, each with a bias; one KV head and three experts a token,
     # untied; four KV heads, one expert a token.
@@ -450,6 +458,12 @@ CASES = {
     # OPT (learned positions from the table's third row, relu; without biases, untied).
     "opt": ("opt", {}),
     "opt_no_bias_untied": ("opt", {"enable_bias": False, "tie_word_embeddings": False}),
+    # BioGPT: OPT's layers (GELU) over sqrt(hidden)-scaled token embeddings; unscaled, untied.
+    "biogpt": ("biogpt", {}),
+    "biogpt_unscaled_untied": ("biogpt", {"scale_embedding": False, "tie_word_embeddings": False}),
+    # XGLM: the same with fairseq's sinusoidal positions; untied.
+    "xglm": ("xglm", {}),
+    "xglm_untied": ("xglm", {"tie_word_embeddings": False}),
     # GLM-4-9B (GlmForCausalLM): GLM-4's attention and fused MLP without the extra norms.
     "glm": ("glm", {}),
     # dots.llm1: grouped sigmoid routing through the correction bias, renormalised and scaled; ungrouped,
@@ -717,7 +731,8 @@ def test_registry_maps_architectures(tmp_path):
                                    "GPTNeoForCausalLM", "CodeGenForCausalLM", "OlmoHybridForCausalLM",
                                    "HyperCLOVAXForCausalLM", "AXK1ForCausalLM", "NanoChatForCausalLM",
                                    "Kolibri1ForCausalLM", "FlintForCausalLM", "BeamForCausalLM",
-                                   "BitNetForCausalLM", "JetMoeForCausalLM",
+                                   "BitNetForCausalLM", "JetMoeForCausalLM", "LongcatFlashForCausalLM",
+                                   "BioGptForCausalLM", "XGLMForCausalLM",
                                    "BertModel",
                                    "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
@@ -1141,7 +1156,7 @@ def test_multi_token_prediction_layers_are_not_read_by_the_model(tmp_path, kind)
 
 @pytest.mark.parametrize("kind", ["granitemoe", "minimax_m2", "mixtral", "olmoe", "flex_olmo", "hunyuan_moe", "hy_v3",
                                   "laguna", "afmoe", "mimo_v2_flash", "solar_open", "mellum", "cohere2_moe",
-                                  "axk1", "kolibri1", "flint", "beam"])
+                                  "axk1", "kolibri1", "flint", "beam", "longcat_flash"])
 def test_moe_checkpoints_in_transformers_own_layout_load_too(tmp_path, kind):
     """Saved with transformers 5's own names (save_original_format=False: stacked experts, its router
     and bias names) rather than the released ones: the same logits."""
@@ -1830,6 +1845,63 @@ def test_kolibri1_config_as_released():
         ModelConfig.from_dict({**released, "sliding_window": None})
 
 
+def test_longcat_flash_config_as_released():
+    """LongCat-Flash-Chat's config (its keys as released): 28 layers, served as 56 half-layers of latent
+    attention (ranks 1536 and 512, heads of 128 + 64, values of 128, RoPE in pairs, base 10,000,000) and a
+    dense MLP of 12288; shortcut experts: 512 of 2048 and 256 zero experts, 12 a token, times 6, not
+    renormalised. Its remote code's switches off, and another zero expert, are refused."""
+    released = {"architectures": ["LongcatFlashForCausalLM"], "hidden_size": 6144, "num_layers": 28,
+                "num_attention_heads": 64, "ffn_hidden_size": 12288, "expert_ffn_hidden_size": 2048, "moe_topk": 12,
+                "n_routed_experts": 512, "zero_expert_num": 256, "zero_expert_type": "identity",
+                "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                "v_head_dim": 128, "routed_scaling_factor": 6.0, "rope_theta": 10000000.0, "mla_scale_q_lora": True,
+                "mla_scale_kv_lora": True, "max_position_embeddings": 131072, "vocab_size": 131072,
+                "router_bias": False}
+    config = ModelConfig.from_dict(released)
+    assert config.num_hidden_layers == 56 and config.intermediate_size == 12288 and config.rope_interleave
+    assert (config.q_lora_rank, config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim,
+            config.v_head_dim) == (1536, 512, 128, 64, 128)
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (512, 12, 2048)
+    assert config.moe_zero_experts == 256 and config.routed_scaling_factor == 6.0 and not config.norm_topk_prob
+    assert not any(config.layer_is_moe(i) for i in range(56)) and config.rope_theta == 10_000_000.0
+    assert ModelConfig.from_dict({"architectures": ["LongcatFlashForCausalLM"]}).num_hidden_layers == 56
+    for changed in ({"mla_scale_q_lora": False}, {"zero_expert_type": "zeros"}, {"qk_head_dim": 64}):
+        with pytest.raises(ValueError):
+            ModelConfig.from_dict({**released, **changed})
+
+
+def test_biogpt_and_xglm_configs_as_released():
+    """biogpt's and xglm-564M's configs as transformers describes them: multi-head attention, biases
+    everywhere, LayerNorms of 1e-5, GELU, token embeddings times sqrt(hidden) unless scale_embedding is
+    off, positions from the table's third row (XGLM's sinusoidal, its padding row zero)."""
+    bio = ModelConfig.from_dict({"architectures": ["BioGptForCausalLM"]})
+    assert (bio.vocab_size, bio.hidden_size, bio.num_hidden_layers, bio.num_attention_heads) == (42384, 1024, 24, 16)
+    assert bio.num_key_value_heads == 16 and bio.intermediate_size == 4096 and bio.hidden_act == "gelu"
+    assert bio.qkv_bias and bio.o_proj_bias and bio.mlp_bias and bio.rms_norm_eps == 1e-5
+    assert bio.learned_positions and not bio.sinusoidal_positions and bio.position_offset == 2
+    assert bio.token_embedding_scale == 32.0 and bio.max_context_len == 1024 and bio.tie_word_embeddings
+    assert ModelConfig.from_dict({"architectures": ["BioGptForCausalLM"], "scale_embedding": False}
+                                 ).token_embedding_scale == 1.0
+    xglm = ModelConfig.from_dict({"architectures": ["XGLMForCausalLM"], "d_model": 1024, "ffn_dim": 4096,
+                                  "num_layers": 24, "attention_heads": 16, "vocab_size": 256008})
+    assert (xglm.hidden_size, xglm.intermediate_size, xglm.num_hidden_layers, xglm.num_attention_heads) == \
+        (1024, 4096, 24, 16)
+    assert xglm.sinusoidal_positions and xglm.position_padding_row == 1 and xglm.token_embedding_scale == 32.0
+    assert xglm.max_context_len == 2048 and xglm.eos_token_ids == (2,) and xglm.hidden_act == "gelu"
+
+
+def test_xglms_positions_are_transformers_sinusoids():
+    from transformers.models.xglm.modeling_xglm import XGLMSinusoidalPositionalEmbedding
+
+    from gpu_worker.layers.embedding import SinusoidalPositionEmbedding
+
+    for dim in (64, 65):
+        theirs = XGLMSinusoidalPositionalEmbedding(100, dim, padding_idx=1)
+        ours = SinusoidalPositionEmbedding(100, dim, offset=2, padding_row=1)
+        positions = torch.arange(100)
+        torch.testing.assert_close(ours(positions), theirs(positions[None]).squeeze(0), atol=1e-6, rtol=0)
+
+
 def test_jetmoe_config_as_released():
     """JetMoE's config as transformers' JetMoeConfig describes it (jetmoe-8b states 24 layers): heads of
     kv_channels (128), 16 key heads and, for each of a token's 2 attention experts, as many query heads (32
@@ -1843,6 +1915,16 @@ def test_jetmoe_config_as_released():
     assert config.tie_word_embeddings and config.eos_token_ids == (2,) and config.hidden_act == "silu"
     wider = ModelConfig.from_dict({**released, "num_experts_per_tok": 3, "kv_channels": 64})
     assert (wider.num_attention_heads, wider.head_dim) == (48, 64)
+    # jetmoe-8b's config as its remote code wrote it (read by model_type in transformers).
+    remote = {"architectures": ["JetMoEForCausalLM"], "model_type": "jetmoe", "num_hidden_layers": 24,
+              "num_attention_heads": 32, "num_key_value_heads": 16, "kv_channels": 128, "ffn_hidden_size": 5632,
+              "moe_num_experts": 8, "moe_top_k": 2, "glu": True, "bias": True, "activation_function": "silu"}
+    assert ModelConfig.from_dict(remote) == config
+    three = ModelConfig.from_dict({**remote, "moe_top_k": 3, "num_attention_heads": 48, "ffn_hidden_size": 1024})
+    assert (three.num_experts_per_tok, three.num_attention_heads, three.moe_intermediate_size) == (3, 48, 1024)
+    for changed in ({"glu": False}, {"bias": False}, {"num_attention_heads": 16}, {"activation_function": "gelu"}):
+        with pytest.raises(ValueError):
+            ModelConfig.from_dict({**remote, **changed})
 
 
 def test_bitnet_config_as_released():

@@ -18,6 +18,7 @@ from transformers import (
     AXK1Config,
     BambaConfig,
     BeamConfig,
+    BioGptConfig,
     BitNetConfig,
     BloomConfig,
     CodeGenConfig,
@@ -74,6 +75,7 @@ from transformers import (
     Lfm2MoeConfig,
     Lfm3Config,
     LlamaConfig,
+    LongcatFlashConfig,
     Mamba2Config,
     MambaConfig,
     MellumConfig,
@@ -110,6 +112,7 @@ from transformers import (
     StableLmConfig,
     Starcoder2Config,
     VaultGemmaConfig,
+    XGLMConfig,
     YoutuConfig,
     Zamba2Config,
 )
@@ -589,6 +592,28 @@ def make_config(kind: str = "llama", **overrides):
                               "shared_expert_intermediate_size": 48, "head_dim": 16, "sliding_window": 8,
                               "layer_types": ["full_attention", "sliding_attention"], "mlp_only_layers": [0],
                               "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
+    # BioGPT: OPT's layers (GELU) over sqrt(hidden)-scaled token embeddings and learned positions from row 2.
+    if kind == "biogpt":
+        return BioGptConfig(**{k: v for k, v in kw.items() if k != "num_key_value_heads"},
+                            **{"pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2})
+    # XGLM: the same with fairseq's sinusoidal positions (the padding row, 1, zero), in its own key names.
+    if kind == "xglm":
+        return XGLMConfig(vocab_size=kw["vocab_size"], d_model=kw["hidden_size"], ffn_dim=kw["intermediate_size"],
+                          num_layers=kw["num_hidden_layers"], attention_heads=kw["num_attention_heads"],
+                          max_position_embeddings=kw["max_position_embeddings"],
+                          init_std=kw["initializer_range"], **{k: kw[k] for k in ("tie_word_embeddings",)
+                                                               if k in kw},
+                          pad_token_id=1, bos_token_id=0, eos_token_id=2)
+    # LongCat-Flash: one layer (two half-layers of latent attention and a dense MLP) with shortcut experts:
+    # 8 routed of 32 and 4 zero experts, 2 a token, the softmax through the correction bias, times 2.
+    if kind == "longcat_flash":
+        return LongcatFlashConfig(**{"q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+                                     "qk_rope_head_dim": 8, "head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8,
+                                     "zero_expert_num": 4, "moe_topk": 2, "expert_ffn_hidden_size": 32,
+                                     "ffn_hidden_size": kw["intermediate_size"], "routed_scaling_factor": 2.0,
+                                     **{k: v for k, v in kw.items() if k != "intermediate_size"},
+                                     "num_key_value_heads": kw["num_attention_heads"], "pad_token_id": 0,
+                                     "bos_token_id": 1, "eos_token_id": 2})
     # JetMoE: 8 attention experts of 2 query heads (the KV heads' number) of 16 and 8 MLP experts of 32, 2 a
     # token each.
     if kind == "jetmoe":
@@ -824,8 +849,8 @@ def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides)
                 param.normal_(0.0, 0.5)
             # (Nemotron's LayerNorm1P weights start at 0 for a scale of 1: drawn apart, so a scale of w
             # alone or a norm skipped shows; Phi's and GPT-NeoX's, to tell their norms apart.)
-            if kind in ("nemotron", "phi", "gpt_neox") and name.endswith(("layernorm.weight", "norm.weight",
-                                                                         "layer_norm.weight")):
+            if kind in ("nemotron", "phi", "gpt_neox", "biogpt", "xglm") and name.endswith((
+                    "layernorm.weight", "norm.weight", "layer_norm.weight")):
                 param.normal_(0.0 if kind == "nemotron" else 1.0, 0.3 if kind == "nemotron" else 0.5)
             # Laguna's correction bias is a parameter (the others' a buffer, below), zero at first.
             if name.endswith("e_score_correction_bias"):
