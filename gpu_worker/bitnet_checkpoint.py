@@ -9,7 +9,7 @@ by its input rounded per token to 8 bits (symmetric: x -> round(x * 127 / max|x|
   as it is, beside ``X.weight_scale``, which multiplies the output: W = ternary x weight_scale; inputs
   rounded in fp32 (transformers' ActQuant).
 * ``linear_class`` "bitlinear" (Falcon3's): packed alike, its ``weight_scale`` dividing the output:
-  W = ternary / weight_scale; inputs rounded in their own dtype (BitLinear's activation_quant).
+  W = ternary / weight_scale; inputs rounded in fp32 (BitLinear's activation_quant, compiled).
 * ``linear_class`` "autobitlinear", ``quantization_mode`` "online" (master weights): each weight W
   becomes round(W / m).clamp(-1, 1) x m, m = mean |W| over the whole tensor, as it is read; inputs
   rounded in fp32.
@@ -55,8 +55,10 @@ def check_bitnet(quantization: dict[str, Any]) -> None:
 
 
 def input_rounding(quantization: dict[str, Any]) -> str:
-    """Where the inputs are rounded: "dtype" (BitLinear's, in the input's dtype) or "fp32" (AutoBitLinear's)."""
-    return "dtype" if quantization.get("linear_class", "bitlinear") == "bitlinear" else "fp32"
+    """Where the inputs are rounded: in fp32, for both layer classes (AutoBitLinear's ActQuant computes in
+    fp32; BitLinear's activation_quant is torch.compile'd, and inductor computes its bf16 arithmetic in
+    fp32 without rounding between the steps)."""
+    return "fp32"
 
 
 def check_bitnet_model(architecture: str, tensor_parallel_size: int, lora: bool) -> None:

@@ -106,7 +106,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "GPTNeoForCausalLM", "CodeGenForCausalLM", "OlmoHybridForCausalLM",
                            "HyperCLOVAXForCausalLM", "AXK1ForCausalLM", "NanoChatForCausalLM",
                            "Kolibri1ForCausalLM", "FlintForCausalLM", "BeamForCausalLM", "BitNetForCausalLM",
-                           "JetMoeForCausalLM", "LongcatFlashForCausalLM", "BioGptForCausalLM", "XGLMForCausalLM")
+                           "JetMoeForCausalLM", "LongcatFlashForCausalLM", "BioGptForCausalLM", "XGLMForCausalLM",
+                           "ModernBertDecoderForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -1067,6 +1068,15 @@ def _olmo3_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     return {"local_rope_theta": _local_rope_theta(arch, cfg, float(cfg.get("rope_theta") or 500_000.0))}
 
 
+def _modernbert_decoder_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """ModernBERT's decoder: its windowed layers' own RoPE base, its LayerNorms' biases, its embeddings'
+    norm."""
+    if arch != "ModernBertDecoderForCausalLM":
+        return {}
+    return {"local_rope_theta": cfg["modernbert_local_rope_theta"], "norm_bias": bool(cfg.get("norm_bias", False)),
+            "embedding_norm": True}
+
+
 def _nanochat_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """nanochat's weightless norm over the embeddings, and its and Beam's logits' soft cap (null: none)."""
     if arch not in ("NanoChatForCausalLM", "BeamForCausalLM"):
@@ -1895,9 +1905,17 @@ def _longcat_flash_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """LongCat-Flash's keys as ours: transformers' LongcatFlashConfig defaults for what a config leaves out;
     its num_layers layers served as twice as many half-layers (an attention and a dense MLP of
     ffn_hidden_size each); its query and key heads as wide as qk_nope_head_dim + qk_rope_head_dim."""
+    zero_experts = cfg.get("zero_expert_num", 256)  # (a null: none, as transformers' model reads it)
+    if cfg.get("num_layers") is None and cfg.get("num_hidden_layers") is not None:  # (transformers' alias)
+        cfg = {**cfg, "num_layers": int(cfg["num_hidden_layers"]) // 2}
+    if cfg.get("ffn_hidden_size") is None and cfg.get("intermediate_size") is not None:
+        cfg = {**cfg, "ffn_hidden_size": cfg["intermediate_size"]}
     cfg = {"vocab_size": 131072, "hidden_size": 6144, "num_layers": 28, "num_attention_heads": 64,
            "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "ffn_hidden_size": 12288,
-           "bos_token_id": 1, "eos_token_id": 2, **{k: v for k, v in cfg.items() if v is not None}}
+           "bos_token_id": 1, "eos_token_id": 2, **{k: v for k, v in cfg.items() if v is not None},
+           "zero_expert_num": zero_experts or 0}
+    if cfg.get("router_bias"):  # (transformers' router builds the bias and never adds it)
+        raise ValueError("LongcatFlashForCausalLM with router_bias is not served (transformers' router ignores it)")
     nope, rope = int(cfg.get("qk_nope_head_dim") or 128), int(cfg.get("qk_rope_head_dim") or 64)
     for key in ("mla_scale_q_lora", "mla_scale_kv_lora"):  # (its remote code's switches: transformers always scales)
         if cfg.get(key) is False:
@@ -1966,11 +1984,50 @@ _OPT_DEFAULTS = {"vocab_size": 50272, "hidden_size": 768, "num_hidden_layers": 1
                  "enable_bias": True, "tie_word_embeddings": True}
 
 
+def _modernbert_decoder_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """ModernBERT's decoder config in the other families' key names, with transformers'
+    ModernBertDecoderConfig defaults: multi-head attention, its layer kinds (every third layer from the
+    first full, where layer_types is absent) and their windows (local_attention // 2), a GeGLU MLP of
+    hidden_activation, LayerNorms of norm_eps (biases by norm_bias); the head's activation exact or tanh
+    GELU; default RoPE only (global base 160,000 on the full layers, local 10,000 on the others)."""
+    cfg = {"vocab_size": 50368, "hidden_size": 768, "intermediate_size": 1152, "num_hidden_layers": 22,
+           "num_attention_heads": 12, "max_position_embeddings": 8192, "norm_eps": 1e-5, "local_attention": 128,
+           "hidden_activation": "gelu", "tie_word_embeddings": True, "pad_token_id": 50283, "bos_token_id": 50281,
+           "eos_token_id": 50282, **{k: v for k, v in cfg.items() if v is not None}}
+    num_layers = int(cfg["num_hidden_layers"])
+    kinds = cfg.get("layer_types")
+    if not isinstance(kinds, list):
+        every = int(cfg.get("global_attn_every_n_layers", 3))
+        kinds = ["sliding_attention" if i % every else "full_attention" for i in range(num_layers)]
+    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    thetas = {}
+    for kind, key, default in (("full_attention", "global_rope_theta", 160_000.0),
+                               ("sliding_attention", "local_rope_theta", 10_000.0)):
+        kind_params = params.get(kind) or {}
+        if kind_params.get("rope_type", "default") != "default" or cfg.get("rope_scaling"):
+            raise ValueError("ModernBertDecoderForCausalLM: only default RoPE is served, got "
+                             f"{kind_params or cfg.get('rope_scaling')}")
+        thetas[kind] = float(kind_params.get("rope_theta") or cfg.get(key) or default)
+    if cfg.get("classifier_activation", "gelu") not in ("gelu", "gelu_pytorch_tanh"):
+        raise ValueError(f"ModernBertDecoderForCausalLM's head activation must be 'gelu' or 'gelu_pytorch_tanh', "
+                         f"got {cfg['classifier_activation']!r}")
+    window = cfg.get("local_attention")
+    return {**cfg, "num_key_value_heads": int(cfg["num_attention_heads"]), "hidden_act": cfg["hidden_activation"],
+            "rms_norm_eps": float(cfg["norm_eps"]), "layer_types": kinds,
+            "sliding_window": int(window) // 2 if window else None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": thetas["full_attention"]},
+            "modernbert_local_rope_theta": thetas["sliding_attention"]}
+
+
 def _biogpt_xglm_config(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """BioGPT's and XGLM's configs in the other families' key names, with transformers' defaults for what a
     config leaves out: OPT's layer (LayerNorms of epsilon 1e-5 before attention and an ungated MLP, biases
     everywhere) over multi-head attention; XGLM's names d_model, ffn_dim, attention_heads, num_layers."""
     if arch == "XGLMForCausalLM":
+        aliases = {"d_model": "hidden_size", "num_layers": "num_hidden_layers",
+                   "attention_heads": "num_attention_heads"}
+        cfg = {**cfg, **{theirs: cfg[ours] for theirs, ours in aliases.items()  # (transformers' attribute map)
+                         if cfg.get(theirs) is None and cfg.get(ours) is not None}}
         cfg = {"vocab_size": 256008, "max_position_embeddings": 2048, "d_model": 1024, "ffn_dim": 4096,
                "num_layers": 24, "attention_heads": 16, "activation_function": "gelu", "scale_embedding": True,
                "tie_word_embeddings": True, "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2,
@@ -3233,6 +3290,8 @@ class ModelConfig:
             cfg = _opt_config(cfg)
         if arch in ("BioGptForCausalLM", "XGLMForCausalLM"):
             cfg = _biogpt_xglm_config(arch, cfg)
+        if arch == "ModernBertDecoderForCausalLM":
+            cfg = _modernbert_decoder_config(cfg)
         if arch == "GPTNeoForCausalLM":
             cfg = _gpt_neo_config(cfg)
         if arch == "FalconForCausalLM":
@@ -3420,6 +3479,7 @@ class ModelConfig:
                                                              "Cohere2MoeForCausalLM", "Lfm3ForCausalLM",
                                                              "GPTNeoForCausalLM", "Kolibri1ForCausalLM",
                                                              "FlintForCausalLM", "BeamForCausalLM",
+                                                             "ModernBertDecoderForCausalLM",
                                                              "Starcoder2ForCausalLM") else None)
             if arch == "SmolLM3ForCausalLM" and cfg.get("use_sliding_window"):
                 sliding = cfg.get("sliding_window")
@@ -3512,6 +3572,7 @@ class ModelConfig:
             **_olmo3_fields(arch, cfg),
             **_granite_fields(arch, cfg),
             **_nanochat_fields(arch, cfg),
+            **_modernbert_decoder_fields(arch, cfg),
             **_minicpm_fields(arch, cfg),
             **hybrid,
             **_nemotron_h_fields(arch, cfg),

@@ -120,7 +120,7 @@ class DeepseekV2ForCausalLM(SkipsMtpLayers, LlamaForCausalLM):
 
     def lora_b_rows(self, module: str, b: torch.Tensor) -> torch.Tensor:
         """A LoRA adapter's B for ``module``, its rows in the order the base weight's were loaded in."""
-        if self.config.rope_interleave and module.endswith((".self_attn.q_proj", ".self_attn.q_b_proj")):
+        if self.config.rope_interleave and module.endswith(".self_attn.q_proj"):
             return query_rows_in_halves(self.config, b)
         return b
 

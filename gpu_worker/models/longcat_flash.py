@@ -42,7 +42,7 @@ class ShortcutMoE(nn.Module):
         self.num_routed, self.num_zero = config.num_experts, config.moe_zero_experts
         total = self.num_routed + self.num_zero
         self.top_k, self.scaling = config.num_experts_per_tok, config.routed_scaling_factor
-        self.classifier = nn.Linear(config.hidden_size, total, bias=bool(config.raw.get("router_bias")),
+        self.classifier = nn.Linear(config.hidden_size, total, bias=False,
                                     dtype=torch.float32).requires_grad_(False)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(total, dtype=torch.float32), requires_grad=False)
         self.experts = FusedMoE(self.num_routed, self.top_k, config.hidden_size, config.moe_intermediate_size,
@@ -50,7 +50,7 @@ class ShortcutMoE(nn.Module):
         self.tp_size = self.experts.tp_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x.float(), self.classifier.weight, self.classifier.bias)
+        logits = F.linear(x.float(), self.classifier.weight)
         weights, ids = select_experts_grouped(logits, self.top_k, False, self.e_score_correction_bias,
                                               scaling_factor=self.scaling, scoring="softmax")
         identity = None
@@ -126,9 +126,3 @@ class LongcatFlashForCausalLM(DeepseekV3ForCausalLM):
                 yield name, tensor
 
         return super().checkpoint_tensors(ours(weights))
-
-    def lora_b_rows(self, module: str, b: torch.Tensor) -> torch.Tensor:
-        """A LoRA adapter's B on q_b_proj, scaled as the weight is (and its rotary rows reordered)."""
-        b = super().lora_b_rows(module, b)
-        return b * math.sqrt(self.config.hidden_size / self.config.q_lora_rank) if module.endswith(
-            ".self_attn.q_b_proj") else b

@@ -58,4 +58,7 @@ class BioGptForCausalLM(OPTForCausalLM):
 
 class XGLMForCausalLM(BioGptForCausalLM):
     """Meta's XGLM (XGLMForCausalLM: xglm-564M .. 7.5B): BioGPT's arrangement with fairseq's fixed sinusoidal
-    positions (ModelConfig.sinusoidal_positions, nothing read for them); its names under ``model.``."""
+    positions (ModelConfig.sinusoidal_positions, nothing read for them: an older save's copy of the table,
+    ``embed_positions.weights``, and fairseq's ``_float_tensor`` are skipped); its names under ``model.``."""
+
+    skipped = ("embed_positions.weights", "_float_tensor")

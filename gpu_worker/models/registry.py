@@ -98,6 +98,7 @@ from gpu_worker.models.mimo_v2_flash import MiMoV2FlashForCausalLM
 from gpu_worker.models.minicpm5_moe import MiniCPM5MoeForCausalLM
 from gpu_worker.models.minimax_m2 import MiniMaxM2ForCausalLM
 from gpu_worker.models.modernbert import ModernBertModel
+from gpu_worker.models.modernbert_decoder import ModernBertDecoderForCausalLM
 from gpu_worker.models.mpt import MPTForCausalLM, MptForCausalLM
 from gpu_worker.models.mtp import MTP_DRAFTERS
 from gpu_worker.models.nanochat import NanoChatForCausalLM
@@ -236,6 +237,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LongcatFlashForCausalLM": LongcatFlashForCausalLM,
     "BioGptForCausalLM": BioGptForCausalLM,
     "XGLMForCausalLM": XGLMForCausalLM,
+    "ModernBertDecoderForCausalLM": ModernBertDecoderForCausalLM,
     "MiMoV2FlashForCausalLM": MiMoV2FlashForCausalLM,
     "GraniteSWAForCausalLM": GraniteSWAForCausalLM,
     "GraniteMoeSWAForCausalLM": GraniteMoeSWAForCausalLM,

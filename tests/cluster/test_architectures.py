@@ -27,7 +27,7 @@ KINDS = ["llama", "qwen2", "qwen3", "phi3", "mistral", "mixtral", "qwen2_moe", "
          "jais2", "solar_open", "youtu", "afmoe", "laguna", "mellum", "hy_v3",
          "mimo_v2_flash", "granite_swa", "granitemoe_swa", "cohere2_moe", "gpt_neo", "codegen",
          "hyperclovax", "axk1", "nanochat", "kolibri1", "flint", "beam", "bitnet",
-         "jetmoe", "longcat_flash", "biogpt", "xglm"]
+         "jetmoe", "longcat_flash", "biogpt", "xglm", "modernbert_decoder"]
 # (Mistral's window of 8 keys is crossed by most prompts; Gemma 3 alternates windowed and full layers.)
 OVERRIDES = {"mistral": {"sliding_window": 8}, "cohere": {"use_qk_norm": True},
              "stablelm": {"use_parallel_residual": True, "qk_layernorm": True},

@@ -20,8 +20,16 @@ from tests.gpu_worker.utils import (
     make_scheduler,
     run_to_completion,
     save_tiny_model,
+    shared_ray_cluster,
     two_tp_ranks,
 )
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """One local Ray cluster for this module's two-rank cases."""
+    pytest.importorskip("ray")
+    yield from shared_ray_cluster()
 
 
 def _scan_inputs(length: int, heads: int = 4, head_dim: int = 3, state: int = 5, seed: int = 0):
@@ -302,7 +310,7 @@ def test_parallel_engines_are_refused_before_workers_start(tmp_path, parallel, r
                                          ("jamba", 0), ("zamba2", 2), ("lfm3", 0), ("olmo_hybrid", 0)],
                          ids=["groups_split", "one_group_replicated", "nemotron_h_moe", "qwen3_next", "qwen3_5",
                               "lfm2_moe", "falcon_h1", "jamba", "zamba2", "lfm3", "olmo_hybrid"])
-def test_tp2_over_gloo_equals_tp1(tmp_path, kind, groups):
+def test_tp2_over_gloo_equals_tp1(tmp_path, kind, groups, ray_cluster):
     """Two ranks, each with half of the Mamba-2 heads (their in_proj rows, convolution channels, A, D,
     dt bias, norm channels and out_proj columns) and either its half of the groups of B and C or the
     one group whole (the gated norm's sum of squares then all-reduced): the same greedy answers as

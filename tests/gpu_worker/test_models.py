@@ -458,6 +458,14 @@ CASES = {
     # OPT (learned positions from the table's third row, relu; without biases, untied).
     "opt": ("opt", {}),
     "opt_no_bias_untied": ("opt", {"enable_bias": False, "tie_word_embeddings": False}),
+    # ModernBERT's decoder: normed embeddings, the first layer without an attention norm, windowed layers with
+    # their own RoPE base, GeGLU, the head's dense + GELU + norm; four layers with every bias, untied, no
+    # projection bias.
+    "modernbert_decoder": ("modernbert_decoder", {}),
+    "modernbert_decoder_biases_untied": ("modernbert_decoder", {"num_hidden_layers": 4, "tie_word_embeddings": False,
+                                                                "decoder_bias": False, "norm_bias": True,
+                                                                "attention_bias": True, "mlp_bias": True,
+                                                                "classifier_bias": True}),
     # BioGPT: OPT's layers (GELU) over sqrt(hidden)-scaled token embeddings; unscaled, untied.
     "biogpt": ("biogpt", {}),
     "biogpt_unscaled_untied": ("biogpt", {"scale_embedding": False, "tie_word_embeddings": False}),
@@ -732,7 +740,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "HyperCLOVAXForCausalLM", "AXK1ForCausalLM", "NanoChatForCausalLM",
                                    "Kolibri1ForCausalLM", "FlintForCausalLM", "BeamForCausalLM",
                                    "BitNetForCausalLM", "JetMoeForCausalLM", "LongcatFlashForCausalLM",
-                                   "BioGptForCausalLM", "XGLMForCausalLM",
+                                   "BioGptForCausalLM", "XGLMForCausalLM", "ModernBertDecoderForCausalLM",
                                    "BertModel",
                                    "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
@@ -1865,9 +1873,46 @@ def test_longcat_flash_config_as_released():
     assert config.moe_zero_experts == 256 and config.routed_scaling_factor == 6.0 and not config.norm_topk_prob
     assert not any(config.layer_is_moe(i) for i in range(56)) and config.rope_theta == 10_000_000.0
     assert ModelConfig.from_dict({"architectures": ["LongcatFlashForCausalLM"]}).num_hidden_layers == 56
-    for changed in ({"mla_scale_q_lora": False}, {"zero_expert_type": "zeros"}, {"qk_head_dim": 64}):
+    for changed in ({"mla_scale_q_lora": False}, {"zero_expert_type": "zeros"}, {"qk_head_dim": 64},
+                    {"router_bias": True}):  # (transformers' router never adds its bias)
         with pytest.raises(ValueError):
             ModelConfig.from_dict({**released, **changed})
+    # (a null zero_expert_num: none; transformers' num_hidden_layers and intermediate_size aliases)
+    aliased = {k: v for k, v in released.items() if k not in ("num_layers", "ffn_hidden_size")}
+    aliased = ModelConfig.from_dict({**aliased, "zero_expert_num": None, "num_hidden_layers": 56,
+                                     "intermediate_size": 4096})
+    assert (aliased.moe_zero_experts, aliased.num_hidden_layers, aliased.intermediate_size) == (0, 56, 4096)
+
+
+def test_longcat_flash_zero_experts_are_chosen_and_its_mtp_weights_not_read(tmp_path, monkeypatch):
+    """The tiny model's routing does pick zero experts (so the logits tests exercise them); the MTP weights
+    a released checkpoint carries (model.mtp.*) are not read; the latent norms' epsilon is 1e-6 whatever
+    rms_norm_eps (1e-5 here) says, as transformers builds them."""
+    import gpu_worker.models.longcat_flash as longcat
+
+    path = save_tiny_model(tmp_path, "longcat_flash")
+    hf = load_hf(path)
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.mtp.layers.0.eh_proj.weight"] = torch.zeros(64, 128)
+    tensors["model.mtp.norm.weight"] = torch.ones(64)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    chosen: list[torch.Tensor] = []
+    select = longcat.select_experts_grouped
+
+    def recording(*args, **kwargs):
+        weights, ids = select(*args, **kwargs)
+        chosen.append(ids.clone())
+        return weights, ids
+
+    runner = make_runner(path)
+    monkeypatch.setattr(longcat, "select_experts_grouped", recording)
+    prompt = [(7 * i + 3) % 256 for i in range(21)]
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(prefill_logits(runner, prompt, list(range(6))), ref, atol=1e-4, rtol=1e-4)
+    assert chosen and any((ids >= 8).any() for ids in chosen) and any((ids < 8).any() for ids in chosen)
+    attention = runner.model.model.layers[0].self_attn
+    assert attention.q_a_layernorm.eps == attention.kv_a_layernorm.eps == 1e-6 != runner.config.rms_norm_eps
 
 
 def test_biogpt_and_xglm_configs_as_released():
@@ -1888,6 +1933,40 @@ def test_biogpt_and_xglm_configs_as_released():
         (1024, 4096, 24, 16)
     assert xglm.sinusoidal_positions and xglm.position_padding_row == 1 and xglm.token_embedding_scale == 32.0
     assert xglm.max_context_len == 2048 and xglm.eos_token_ids == (2,) and xglm.hidden_act == "gelu"
+
+
+def test_modernbert_decoder_config_as_released():
+    """The Ettin decoders' config as transformers' ModernBertDecoderConfig describes it: 22 layers of 768,
+    12 heads (as many KV heads), every third layer from the first full (RoPE base 160,000) and the others
+    windowed (64 keys: local_attention // 2; base 10,000), GeGLU of 1152, LayerNorms of 1e-5 without biases,
+    tied; scaled RoPE refused."""
+    released = {"architectures": ["ModernBertDecoderForCausalLM"]}
+    config = ModelConfig.from_dict(released)
+    assert (config.vocab_size, config.hidden_size, config.intermediate_size, config.num_hidden_layers) == \
+        (50368, 768, 1152, 22)
+    assert config.num_key_value_heads == 12 and config.head_dim == 64 and config.hidden_act == "gelu"
+    assert config.sliding_window == 64 and config.sliding_window_layers[:4] == (False, True, True, False)
+    assert (config.rope_theta, config.local_rope_theta) == (160_000.0, 10_000.0) and config.embedding_norm
+    assert not config.norm_bias and config.rms_norm_eps == 1e-5 and config.tie_word_embeddings
+    legacy = ModelConfig.from_dict({**released, "global_rope_theta": 80_000.0, "local_rope_theta": 5_000.0})
+    assert (legacy.rope_theta, legacy.local_rope_theta) == (80_000.0, 5_000.0)
+    with pytest.raises(ValueError, match="default RoPE"):
+        ModelConfig.from_dict({**released, "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+
+
+def test_an_older_xglm_save_with_its_position_table_loads(tmp_path):
+    """transformers 4's XGLM saved its sinusoidal table (``embed_positions.weights``) and fairseq's conversions a
+    ``_float_tensor``: skipped (the table is computed), the logits transformers' own."""
+    path = save_tiny_model(tmp_path, "xglm")
+    hf = load_hf(path)
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.embed_positions.weights"] = torch.zeros(258, 64)
+    tensors["model.embed_positions._float_tensor"] = torch.zeros(1)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    prompt = [(7 * i + 3) % 256 for i in range(21)]
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(prefill_logits(make_runner(path), prompt, list(range(6))), ref, atol=1e-4, rtol=1e-4)
 
 
 def test_xglms_positions_are_transformers_sinusoids():

@@ -19,8 +19,16 @@ from tests.gpu_worker.utils import (
     make_scheduler,
     run_to_completion,
     save_tiny_model,
+    shared_ray_cluster,
     two_tp_ranks,
 )
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """One local Ray cluster for this module's two-rank cases."""
+    pytest.importorskip("ray")
+    yield from shared_ray_cluster()
 
 
 def test_bytes_per_block_formula(tmp_path):
@@ -145,6 +153,7 @@ def _drive(workers_execute, prompts: dict[str, list[int]], num_blocks: int, spec
     ("longcat_flash", {"initializer_range": 0.1}, True),
     ("biogpt", {}, False),
     ("xglm", {}, False),
+    ("modernbert_decoder", {}, False),
 ], ids=["llama", "qwen2_moe", "qwen2_moe_expert_parallel", "gemma2", "gpt_oss", "gpt_oss_expert_parallel", "olmo2",
         "glm4_moe", "glm4_moe_expert_parallel", "deepseek_v3", "deepseek_v2_expert_parallel", "olmoe_expert_parallel",
         "granitemoe_expert_parallel", "minimax_m2", "cohere_qk_norm", "glm4", "exaone4",
@@ -161,8 +170,8 @@ def _drive(workers_execute, prompts: dict[str, list[int]], num_blocks: int, spec
         "gpt_neo", "codegen", "hyperclovax", "axk1_expert_parallel", "nanochat",
         "kolibri1_expert_parallel", "flint_expert_parallel", "beam_expert_parallel",
         "jetmoe", "jetmoe_expert_parallel", "longcat_flash_expert_parallel",
-        "biogpt", "xglm"])
-def test_tp2_over_gloo_equals_tp1(tmp_path, kind, overrides, expert_parallel):
+        "biogpt", "xglm", "modernbert_decoder"])
+def test_tp2_over_gloo_equals_tp1(tmp_path, kind, overrides, expert_parallel, ray_cluster):
     """Qwen2-MoE: each rank holds half of every expert (or, with expert parallelism, half of the
     experts whole) and half of the shared expert; one all-reduce per layer sums their outputs.
     GPT-OSS: each rank its query heads' sinks, its slice (or its experts') of the experts' gate/up
@@ -205,7 +214,8 @@ def test_tp2_over_gloo_equals_tp1(tmp_path, kind, overrides, expert_parallel):
         # block is 4 of a TP=1 block's 6 head-rows).
         num_blocks = ray.get([w.determine_num_blocks.remote(4, None, 40 * tp1.bytes_per_block(4) + 1)
                               for w in ranks])
-        halved = kind in ("gpt_neox", "gptj", "falcon", "bloom", "gpt_neo", "codegen", "biogpt", "xglm") \
+        halved = kind in ("gpt_neox", "gptj", "falcon", "bloom", "gpt_neo", "codegen", "biogpt", "xglm",
+                          "modernbert_decoder") \
             or overrides.get("num_key_value_heads", 1) > 1  # (JetMoE's two key heads split: each rank one)
         assert num_blocks == ([80, 80] if halved else [60, 60] if kind == "mimo_v2_flash" else [40, 40])
         ray.get([w.initialize_cache.remote(40, 4) for w in ranks])

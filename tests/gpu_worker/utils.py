@@ -87,6 +87,7 @@ from transformers import (
     MinistralConfig,
     MistralConfig,
     MixtralConfig,
+    ModernBertDecoderConfig,
     MptConfig,
     NanoChatConfig,
     NemotronConfig,
@@ -592,6 +593,12 @@ def make_config(kind: str = "llama", **overrides):
                               "shared_expert_intermediate_size": 48, "head_dim": 16, "sliding_window": 8,
                               "layer_types": ["full_attention", "sliding_attention"], "mlp_only_layers": [0],
                               "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
+    # ModernBERT's decoder: normed embeddings, LayerNorms, a window of 8 (local_attention 16) on two layers of
+    # three with their own RoPE base, GeGLU, the head's dense + GELU + norm before the tied projection.
+    if kind == "modernbert_decoder":
+        return ModernBertDecoderConfig(**{"num_hidden_layers": 3, "local_attention": 16, **{
+            k: v for k, v in kw.items() if k != "num_key_value_heads"}, "pad_token_id": 0, "bos_token_id": 1,
+            "eos_token_id": 2, "cls_token_id": 1, "sep_token_id": 2})
     # BioGPT: OPT's layers (GELU) over sqrt(hidden)-scaled token embeddings and learned positions from row 2.
     if kind == "biogpt":
         return BioGptConfig(**{k: v for k, v in kw.items() if k != "num_key_value_heads"},
@@ -607,7 +614,7 @@ def make_config(kind: str = "llama", **overrides):
     # LongCat-Flash: one layer (two half-layers of latent attention and a dense MLP) with shortcut experts:
     # 8 routed of 32 and 4 zero experts, 2 a token, the softmax through the correction bias, times 2.
     if kind == "longcat_flash":
-        return LongcatFlashConfig(**{"q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+        return LongcatFlashConfig(**{"q_lora_rank": 48, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
                                      "qk_rope_head_dim": 8, "head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8,
                                      "zero_expert_num": 4, "moe_topk": 2, "expert_ffn_hidden_size": 32,
                                      "ffn_hidden_size": kw["intermediate_size"], "routed_scaling_factor": 2.0,
@@ -849,7 +856,11 @@ def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides)
                 param.normal_(0.0, 0.5)
             # (Nemotron's LayerNorm1P weights start at 0 for a scale of 1: drawn apart, so a scale of w
             # alone or a norm skipped shows; Phi's and GPT-NeoX's, to tell their norms apart.)
-            if kind in ("nemotron", "phi", "gpt_neox", "biogpt", "xglm") and name.endswith((
+            if kind == "longcat_flash" and "layernorm" in name:  # (its norms .0 / .1 told apart)
+                param.normal_(1.0, 0.5)
+            if kind == "modernbert_decoder" and name.endswith(("decoder.bias", "dense.bias")):
+                param.normal_(0.0, 0.5)
+            if kind in ("nemotron", "phi", "gpt_neox", "biogpt", "xglm", "modernbert_decoder") and name.endswith((
                     "layernorm.weight", "norm.weight", "layer_norm.weight")):
                 param.normal_(0.0 if kind == "nemotron" else 1.0, 0.3 if kind == "nemotron" else 0.5)
             # Laguna's correction bias is a parameter (the others' a buffer, below), zero at first.
@@ -1135,8 +1146,9 @@ def save_tiny_eagle_head(path: Path, target: Path, method: str, seed: int = 0, n
 @contextmanager
 def two_tp_ranks(path: Path, **worker_kwargs):
     """Two Worker actors of one tensor-parallel group over gloo (a local Ray cluster of 2 CPUs unless
-    one runs already), their models loaded: yields (the ranks, execute: a pass on both, rank 0's
-    answer). Their caches are the caller's to size; the ranks are shut down after."""
+    one runs already: shared_ray_cluster keeps one for a module's cases), their models loaded: yields (the
+    ranks, execute: a pass on both, rank 0's answer). Their caches are the caller's to size; the ranks are
+    shut down after (and, in a cluster that outlives them, their actors killed, freeing its CPUs)."""
     import ray
 
     from gpu_worker.worker import Worker
@@ -1145,6 +1157,7 @@ def two_tp_ranks(path: Path, **worker_kwargs):
     started_here = not ray.is_initialized()
     if started_here:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ranks = []
     try:
         remote_worker = ray.remote(num_cpus=1)(Worker)
         ranks = [remote_worker.remote(rank, 2, str(path), **worker_kwargs) for rank in range(2)]
@@ -1162,6 +1175,22 @@ def two_tp_ranks(path: Path, **worker_kwargs):
     finally:
         if started_here:
             ray.shutdown()
+        else:
+            for rank in ranks:
+                ray.kill(rank)
+
+
+def shared_ray_cluster():
+    """A module's local Ray cluster of 2 CPUs for its two-rank cases (a fixture body): starting one costs
+    about 4 s, which each case would pay again."""
+    import ray
+
+    started_here = not ray.is_initialized()
+    if started_here:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    if started_here:
+        ray.shutdown()
 
 
 
