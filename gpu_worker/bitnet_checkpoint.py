@@ -54,13 +54,6 @@ def check_bitnet(quantization: dict[str, Any]) -> None:
                          f"null or [\"lm_head\"]), not {sorted(kept)}")
 
 
-def input_rounding(quantization: dict[str, Any]) -> str:
-    """Where the inputs are rounded: in fp32, for both layer classes (AutoBitLinear's ActQuant computes in
-    fp32; BitLinear's activation_quant is torch.compile'd, and inductor computes its bf16 arithmetic in
-    fp32 without rounding between the steps)."""
-    return "fp32"
-
-
 def check_bitnet_model(architecture: str, tensor_parallel_size: int, lora: bool) -> None:
     """ValueError where a BitNet checkpoint cannot be served as asked."""
     if architecture not in BITNET_ARCHITECTURES:
@@ -134,10 +127,12 @@ def dequantized(weights: Iterable[tuple[str, WeightLike]], quantization: dict[st
                          f"(holding {[sorted(waiting[m]) for m in first]})")
 
 
-def quantize_linear_inputs(model: nn.Module, rounding: str) -> None:
-    """Marks the decoder layers' attention and MLP projections to round their inputs per token, in
-    ``rounding`` ("fp32" or "dtype"; the embedding and the LM head stay as they are)."""
+def quantize_linear_inputs(model: nn.Module) -> None:
+    """Marks the decoder layers' attention and MLP projections to round their inputs per token, in fp32 for
+    both layer classes (AutoBitLinear's ActQuant computes in fp32; BitLinear's activation_quant is
+    torch.compile'd, and inductor computes its bf16 arithmetic in fp32 without rounding between the steps);
+    the embedding and the LM head stay as they are."""
     layers = model.model.layers
     for module in layers.modules():
         if isinstance(module, ColumnParallelLinear | RowParallelLinear):
-            module.quantize_input = rounding
+            module.quantize_input = True

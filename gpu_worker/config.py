@@ -1990,10 +1990,13 @@ def _modernbert_decoder_config(cfg: dict[str, Any]) -> dict[str, Any]:
     first full, where layer_types is absent) and their windows (local_attention // 2), a GeGLU MLP of
     hidden_activation, LayerNorms of norm_eps (biases by norm_bias); the head's activation exact or tanh
     GELU; default RoPE only (global base 160,000 on the full layers, local 10,000 on the others)."""
+    # (A key a config states, null included, wins: a null eos_token_id is none.)
     cfg = {"vocab_size": 50368, "hidden_size": 768, "intermediate_size": 1152, "num_hidden_layers": 22,
            "num_attention_heads": 12, "max_position_embeddings": 8192, "norm_eps": 1e-5, "local_attention": 128,
            "hidden_activation": "gelu", "tie_word_embeddings": True, "pad_token_id": 50283, "bos_token_id": 50281,
-           "eos_token_id": 50282, **{k: v for k, v in cfg.items() if v is not None}}
+           "eos_token_id": 50282, **cfg}
+    if not cfg["local_attention"]:  # (transformers' window would be -1, its mask then wrong)
+        raise ValueError("ModernBertDecoderForCausalLM needs a local_attention window for its windowed layers")
     num_layers = int(cfg["num_hidden_layers"])
     kinds = cfg.get("layer_types")
     if not isinstance(kinds, list):
@@ -2011,10 +2014,10 @@ def _modernbert_decoder_config(cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg.get("classifier_activation", "gelu") not in ("gelu", "gelu_pytorch_tanh"):
         raise ValueError(f"ModernBertDecoderForCausalLM's head activation must be 'gelu' or 'gelu_pytorch_tanh', "
                          f"got {cfg['classifier_activation']!r}")
-    window = cfg.get("local_attention")
+    window = cfg["local_attention"]
     return {**cfg, "num_key_value_heads": int(cfg["num_attention_heads"]), "hidden_act": cfg["hidden_activation"],
             "rms_norm_eps": float(cfg["norm_eps"]), "layer_types": kinds,
-            "sliding_window": int(window) // 2 if window else None,
+            "sliding_window": int(window) // 2,
             "rope_parameters": {"rope_type": "default", "rope_theta": thetas["full_attention"]},
             "modernbert_local_rope_theta": thetas["sliding_attention"]}
 

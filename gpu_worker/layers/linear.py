@@ -31,11 +31,11 @@ def new_weight(out_features: int, in_features: int) -> nn.Parameter:
     return nn.Parameter(weight, requires_grad=False)
 
 
-def fake_quantize_per_token(x: torch.Tensor, in_fp32: bool = True) -> torch.Tensor:
+def fake_quantize_per_token(x: torch.Tensor) -> torch.Tensor:
     """BitNet's activation quantization, as transformers computes it: each row rounded to 8 bits by its
-    own largest magnitude (round(x * 127 / max|x|) clamped to [-128, 127], times max|x| / 127), in fp32
-    (AutoBitLinear's ActQuant) or in the input's dtype (BitLinear's), returned in the input's dtype."""
-    values = x.float() if in_fp32 else x
+    own largest magnitude (round(x * 127 / max|x|) clamped to [-128, 127], times max|x| / 127), in fp32,
+    returned in the input's dtype."""
+    values = x.float()
     scale = 127.0 / values.abs().amax(dim=-1, keepdim=True).clamp(min=1e-5)
     return (values * scale).round_().clamp_(-128, 127).div_(scale).to(x.dtype)
 
@@ -47,10 +47,9 @@ def tp_rank_and_size(tp_rank: int | None, tp_size: int | None) -> tuple[int, int
 
 class ColumnParallelLinear(nn.Module):
     """Y = X A^T with A split by rows (output features): each rank computes its slice of Y.
-    ``quantize_input`` (BitNet's checkpoints): X rounded per token to 8 bits first, in "fp32" or in its
-    "dtype" (fake_quantize_per_token)."""
+    ``quantize_input`` (BitNet's checkpoints): X rounded per token to 8 bits first (fake_quantize_per_token)."""
 
-    quantize_input: str | None = None
+    quantize_input = False
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, gather_output: bool = False,
                  tp_rank: int | None = None, tp_size: int | None = None) -> None:
@@ -76,7 +75,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantize_input:
-            x = fake_quantize_per_token(x, self.quantize_input == "fp32")
+            x = fake_quantize_per_token(x)
         out = F.linear(x, self.weight, self.bias)
         if self.gather_output:
             out = distributed.all_gather(out, dim=-1)
@@ -157,7 +156,7 @@ class RowParallelLinear(nn.Module):
     ColumnParallelLinear's.
     """
 
-    quantize_input: str | None = None
+    quantize_input = False
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True,
                  tp_rank: int | None = None, tp_size: int | None = None) -> None:
@@ -182,7 +181,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantize_input:
-            x = fake_quantize_per_token(x, self.quantize_input == "fp32")
+            x = fake_quantize_per_token(x)
         if self.tp_size == 1:
             return F.linear(x, self.weight, self.bias)
         out = F.linear(x, self.weight)

@@ -92,6 +92,8 @@ class ModernBertDecoderForCausalLM(LlamaForCausalLM):
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         for name, tensor in weights:
+            if self.head_transform is None and name.startswith("lm_head."):
+                continue  # (the head's transform, where this model or stage has no head)
             name = rename_parts(name, self._RENAMED)
             if ".mlp.Wi." in name:
                 yield from gate_and_up(name, tensor, ".mlp.Wi.", ".mlp.gate_proj.", ".mlp.up_proj.")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from gpu_worker import distributed
-from gpu_worker.bitnet_checkpoint import check_bitnet_model, input_rounding, quantize_linear_inputs
+from gpu_worker.bitnet_checkpoint import check_bitnet_model, quantize_linear_inputs
 from gpu_worker.config import ModelConfig
 from gpu_worker.models.afmoe import AfmoeForCausalLM
 from gpu_worker.models.apertus import ApertusForCausalLM
@@ -290,5 +290,5 @@ def build_model(config: ModelConfig) -> nn.Module:
         check_bitnet_model(config.architecture, distributed.get_tp_world_size(), lora=False)
     model = model_class(config)
     if config.quantization == "bitnet":
-        quantize_linear_inputs(model, input_rounding(config.quantization_config))
+        quantize_linear_inputs(model)
     return model

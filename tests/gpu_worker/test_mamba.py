@@ -20,16 +20,8 @@ from tests.gpu_worker.utils import (
     make_scheduler,
     run_to_completion,
     save_tiny_model,
-    shared_ray_cluster,
     two_tp_ranks,
 )
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """One local Ray cluster for this module's two-rank cases."""
-    pytest.importorskip("ray")
-    yield from shared_ray_cluster()
 
 
 def _scan_inputs(length: int, heads: int = 4, head_dim: int = 3, state: int = 5, seed: int = 0):

@@ -1952,6 +1952,23 @@ def test_modernbert_decoder_config_as_released():
     assert (legacy.rope_theta, legacy.local_rope_theta) == (80_000.0, 5_000.0)
     with pytest.raises(ValueError, match="default RoPE"):
         ModelConfig.from_dict({**released, "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+    assert ModelConfig.from_dict({**released, "eos_token_id": None}).eos_token_ids == ()  # (a stated null: none)
+    with pytest.raises(ValueError, match="local_attention"):
+        ModelConfig.from_dict({**released, "local_attention": None})
+
+
+def test_modernbert_decoder_without_its_head_loads(tmp_path):
+    """Served for embeddings alone (--runner pooling; alike a pipeline stage before the last): the head's
+    transform and projection a checkpoint carries are not read."""
+    import dataclasses
+
+    from gpu_worker.model_runner import ModelRunner
+
+    path = save_tiny_model(tmp_path, "modernbert_decoder")
+    config = dataclasses.replace(ModelConfig.from_pretrained(path), embedding_only=True)
+    runner = ModelRunner(config, device="cpu", dtype=torch.float32)
+    runner.load_model(path)
+    assert runner.model.lm_head is None and runner.model.head_transform is None
 
 
 def test_an_older_xglm_save_with_its_position_table_loads(tmp_path):

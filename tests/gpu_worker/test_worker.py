@@ -19,16 +19,8 @@ from tests.gpu_worker.utils import (
     make_scheduler,
     run_to_completion,
     save_tiny_model,
-    shared_ray_cluster,
     two_tp_ranks,
 )
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """One local Ray cluster for this module's two-rank cases."""
-    pytest.importorskip("ray")
-    yield from shared_ray_cluster()
 
 
 def test_bytes_per_block_formula(tmp_path):

@@ -1146,7 +1146,7 @@ def save_tiny_eagle_head(path: Path, target: Path, method: str, seed: int = 0, n
 @contextmanager
 def two_tp_ranks(path: Path, **worker_kwargs):
     """Two Worker actors of one tensor-parallel group over gloo (a local Ray cluster of 2 CPUs unless
-    one runs already: shared_ray_cluster keeps one for a module's cases), their models loaded: yields (the
+    one runs already: the session's ray_cluster fixture keeps one), their models loaded: yields (the
     ranks, execute: a pass on both, rank 0's answer). Their caches are the caller's to size; the ranks are
     shut down after (and, in a cluster that outlives them, their actors killed, freeing its CPUs)."""
     import ray
@@ -1178,19 +1178,6 @@ def two_tp_ranks(path: Path, **worker_kwargs):
         else:
             for rank in ranks:
                 ray.kill(rank)
-
-
-def shared_ray_cluster():
-    """A module's local Ray cluster of 2 CPUs for its two-rank cases (a fixture body): starting one costs
-    about 4 s, which each case would pay again."""
-    import ray
-
-    started_here = not ray.is_initialized()
-    if started_here:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    if started_here:
-        ray.shutdown()
 
 
 
