@@ -2452,6 +2452,20 @@ def _hunyuan_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
                 shared_expert_intermediate_size=shared, shared_expert_gated=False, moe_router_fp32=True)
 
 
+def _grouped_sigmoid_experts(cfg: dict[str, Any], num_experts: int, groups: int, kept: int, top_k: int, width: int,
+                             scaling: float, kinds: list[str]) -> dict[str, Any]:
+    """DeepSeek-V3's routing without shared experts (MiMo-V2-Flash's, Beam's): sigmoid scores through the
+    correction bias within the ``kept`` best of ``groups`` groups, renormalised under norm_topk_prob (on by
+    default), times ``scaling``, in the layers ``kinds`` calls sparse."""
+    if num_experts % groups or not 0 < kept <= groups:
+        raise ValueError(f"n_group ({groups}) must divide the {num_experts} experts, and topk_group ({kept}) be "
+                         f"between 1 and n_group")
+    return dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=width,
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), moe_grouped_topk=True, moe_scoring="sigmoid",
+                moe_correction_bias=True, moe_num_groups=groups, moe_topk_groups=kept, routed_scaling_factor=scaling,
+                moe_layers=tuple(kind == "sparse" for kind in kinds))
+
+
 def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """ModelConfig's mixture-of-experts fields for an MoE architecture (none for a dense one)."""
     # A key a config leaves out takes transformers' default for the architecture, as HF reads it.
@@ -2605,17 +2619,10 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
         if len(kinds) != num_layers or not set(kinds) <= {"dense", "sparse"}:
             raise ValueError(f"mlp_layer_types must name 'dense' or 'sparse' for each of the {num_layers} "
                              f"layers, got {kinds}")
-        num_experts, groups, kept = read("n_routed_experts", 256, "num_local_experts"), read("n_group", 1), \
-            read("topk_group", 1)
-        if num_experts % groups or not 0 < kept <= groups:
-            raise ValueError(f"n_group ({groups}) must divide n_routed_experts ({num_experts}), and topk_group "
-                             f"({kept}) be between 1 and n_group")
-        return dict(num_experts=num_experts, num_experts_per_tok=read("num_experts_per_tok", 8),
-                    moe_intermediate_size=read("moe_intermediate_size", 2048),
-                    norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), moe_grouped_topk=True,
-                    moe_scoring="sigmoid", moe_correction_bias=True, moe_num_groups=groups, moe_topk_groups=kept,
-                    routed_scaling_factor=float(cfg["routed_scaling_factor"]),
-                    moe_layers=tuple(kind == "sparse" for kind in kinds))
+        return _grouped_sigmoid_experts(cfg, read("n_routed_experts", 256, "num_local_experts"), read("n_group", 1),
+                                        read("topk_group", 1), read("num_experts_per_tok", 8),
+                                        read("moe_intermediate_size", 2048), float(cfg["routed_scaling_factor"]),
+                                        kinds)
     if arch == "HYV3ForCausalLM":
         # Hy3's: routed experts where mlp_layer_types says sparse (by default all but the first layer),
         # chosen by sigmoid scores through the correction bias, no groups, renormalised, times
@@ -2764,17 +2771,10 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
         # Beam's: routed experts where mlp_layer_types says sparse, chosen by DeepSeek-V3's grouped
         # sigmoid routing through the correction bias (8 groups, 4 kept by default), renormalised, times
         # routed_scaling_factor; no shared experts.
-        num_experts = read("num_experts", 256, "num_local_experts")
-        groups, kept = read("n_group", 8) or 1, read("topk_group", 4) or 1
-        if num_experts % groups or not 0 < kept <= groups:
-            raise ValueError(f"n_group ({groups}) must divide num_experts ({num_experts}), and topk_group "
-                             f"({kept}) be between 1 and n_group")
-        return dict(num_experts=num_experts, num_experts_per_tok=read("num_experts_per_tok", 8),
-                    moe_intermediate_size=read("moe_intermediate_size", 2560),
-                    norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), moe_grouped_topk=True,
-                    moe_scoring="sigmoid", moe_correction_bias=True, moe_num_groups=groups, moe_topk_groups=kept,
-                    routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 2.5),
-                    moe_layers=tuple(kind == "sparse" for kind in cfg["mlp_layer_types"]))
+        return _grouped_sigmoid_experts(cfg, read("num_experts", 256, "num_local_experts"), read("n_group", 8) or 1,
+                                        read("topk_group", 4) or 1, read("num_experts_per_tok", 8),
+                                        read("moe_intermediate_size", 2560),
+                                        float(cfg.get("routed_scaling_factor") or 2.5), cfg["mlp_layer_types"])
     if arch == "Kolibri1ForCausalLM":
         # Kolibri 1's: routed experts in every layer, chosen by the router's logits plus the correction
         # bias (no groups), weighted by their sigmoids, renormalised under norm_topk_prob (off by

@@ -31,6 +31,7 @@ from gpu_worker.layers.linear import MergedColumnParallelLinear
 from gpu_worker.layers.rotary import RotaryEmbedding
 from gpu_worker.layers.weight_utils import WeightLike, copy_into, load_sharded
 from gpu_worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, SparseMoeBlock
+from gpu_worker.models.renamed_checkpoint import rename_first
 
 
 class FusedKVLinear(MergedColumnParallelLinear):
@@ -154,9 +155,4 @@ class JetMoeForCausalLM(LlamaForCausalLM):
                 (".mlp.router.layer.", ".mlp.gate."))
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
-        for name, tensor in weights:
-            for theirs, ours in self._RENAMED:  # (the first that matches)
-                if theirs in name:
-                    name = name.replace(theirs, ours)
-                    break
-            yield name, tensor
+        return ((rename_first(name, self._RENAMED), tensor) for name, tensor in weights)

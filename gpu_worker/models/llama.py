@@ -41,7 +41,7 @@ from gpu_worker.layers.linear import (
 from gpu_worker.layers.mamba import MambaMixer2
 from gpu_worker.layers.rotary import RotaryEmbedding, llama_4_query_scale
 from gpu_worker.layers.weight_utils import WeightLike, gate_and_up
-from gpu_worker.models.renamed_checkpoint import rename_parts
+from gpu_worker.models.renamed_checkpoint import rename_first, rename_parts
 
 
 class LlamaAttention(nn.Module):
@@ -730,12 +730,7 @@ class GraniteMoeForCausalLM(GraniteForCausalLM):
                 (".block_sparse_moe.router.weight", ".mlp.gate.weight"))
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
-        for name, tensor in weights:
-            for theirs, ours in self._RENAMED:
-                if theirs in name:
-                    name = name.replace(theirs, ours)
-                    break
-            yield name, tensor
+        return ((rename_first(name, self._RENAMED), tensor) for name, tensor in weights)
 
 
 class GraniteMoeSharedForCausalLM(GraniteMoeForCausalLM):

@@ -32,6 +32,7 @@ from gpu_worker.layers.rotary import RotaryEmbedding, llama_4_query_scale
 from gpu_worker.layers.weight_utils import WeightLike, materialize
 from gpu_worker.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
 from gpu_worker.models.paired_rope import PairedRopeForCausalLM
+from gpu_worker.models.renamed_checkpoint import rename_first
 
 
 def l2_norm(heads: torch.Tensor, eps: float) -> torch.Tensor:
@@ -114,10 +115,7 @@ class Llama4ForCausalLM(PairedRopeForCausalLM):
         return self._renamed_name(f"{module}.")[:-1]
 
     def _renamed_name(self, name: str) -> str:
-        for theirs, ours in self._RENAMED:
-            if theirs in name:
-                return name.replace(theirs, ours)
-        return name
+        return rename_first(name, self._RENAMED)
 
     def _renamed(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         for name, tensor in weights:

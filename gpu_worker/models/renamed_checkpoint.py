@@ -21,6 +21,15 @@ def rename_parts(name: str, renames: tuple[tuple[str, str], ...]) -> str:
     return name
 
 
+def rename_first(name: str, renames: tuple[tuple[str, str], ...]) -> str:
+    """A checkpoint's name with the first of ``renames`` (theirs, ours) it holds renamed (the others not
+    tried: a rename's result may hold a later pair's part)."""
+    for theirs, ours in renames:
+        if theirs in name:
+            return name.replace(theirs, ours)
+    return name
+
+
 def per_head_qkv(fused: torch.Tensor, heads: int, head_dim: int) -> tuple[torch.Tensor, ...]:
     """Rows of [heads, (q, k, v), head_dim] (a weight, a bias or a LoRA B: GPT-NeoX's query_key_value)
     as q's, k's and v's."""
