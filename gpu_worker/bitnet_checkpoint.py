@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpu_worker.layers.linear import ColumnParallelLinear, RowParallelLinear
+from gpu_worker.layers.linear import ColumnParallelLinear, RowParallelLinear, fake_quantize_per_token
 from gpu_worker.layers.weight_utils import WeightLike, read_whole
 
 # The architectures whose layers' projections are read by these names (BitNet's, and Llama's: Falcon3's).
@@ -135,4 +135,11 @@ def quantize_linear_inputs(model: nn.Module) -> None:
     layers = model.model.layers
     for module in layers.modules():
         if isinstance(module, ColumnParallelLinear | RowParallelLinear):
-            module.quantize_input = True
+            _round_inputs(module)
+
+
+def _round_inputs(module: ColumnParallelLinear | RowParallelLinear) -> None:
+    """The layer's forward, its input rounded first (an instance's own: other models' layers pay nothing)."""
+    forward = module.forward
+    module.forward = lambda x: forward(fake_quantize_per_token(x))
+    module.quantize_input = True

@@ -851,10 +851,10 @@ def _jina_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
                 gated_mlp=False, task_lora=task_lora)
 
 
-def _modernbert_fields(arch: str, cfg: dict[str, Any], classifier: bool) -> dict[str, Any]:
-    """ModernBERT's own ModelConfig fields, as ModernBertConfig reads them (its 4.x keys, or 5.x's
-    layer_types and per-kind rope_parameters): global RoPE on the full-attention layers, local RoPE
-    and a bidirectional window of local_attention // 2 tokens each side on the others."""
+def _modernbert_kinds_and_bases(arch: str, cfg: dict[str, Any]) -> tuple[list[str], dict[str, float]]:
+    """ModernBERT's (encoder's and decoder's) layer kinds (every global_attn_every_n_layers-th layer from
+    the first full, where layer_types is absent) and each kind's RoPE base (rope_parameters' per kind, else
+    its 4.x keys global_rope_theta / local_rope_theta, else 160,000 / 10,000); default RoPE only."""
     num_layers = int(cfg["num_hidden_layers"])
     kinds = cfg.get("layer_types")
     if not isinstance(kinds, list):
@@ -863,7 +863,7 @@ def _modernbert_fields(arch: str, cfg: dict[str, Any], classifier: bool) -> dict
     if len(kinds) != num_layers:
         raise ValueError(f"layer_types lists {len(kinds)} layers, the model has {num_layers}")
     params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
-    thetas = {}
+    thetas: dict[str, float] = {}
     for kind, key, default in (("full_attention", "global_rope_theta", 160_000.0),
                                ("sliding_attention", "local_rope_theta", 10_000.0)):
         kind_params = params.get(kind) or {}
@@ -872,6 +872,14 @@ def _modernbert_fields(arch: str, cfg: dict[str, Any], classifier: bool) -> dict
         theta = kind_params.get("rope_theta", cfg.get(key, default))
         # (A null local_rope_theta meant the global one in transformers 4.x's ModernBERT.)
         thetas[kind] = float(thetas.get("full_attention", default) if theta is None else theta)
+    return kinds, thetas
+
+
+def _modernbert_fields(arch: str, cfg: dict[str, Any], classifier: bool) -> dict[str, Any]:
+    """ModernBERT's own ModelConfig fields, as ModernBertConfig reads them (its 4.x keys, or 5.x's
+    layer_types and per-kind rope_parameters): global RoPE on the full-attention layers, local RoPE
+    and a bidirectional window of local_attention // 2 tokens each side on the others."""
+    kinds, thetas = _modernbert_kinds_and_bases(arch, cfg)
     pooling = str(cfg.get("classifier_pooling", "cls")).upper()
     if pooling not in ("CLS", "MEAN"):
         raise ValueError(f"classifier_pooling must be 'cls' or 'mean' for {arch}, "
@@ -1074,11 +1082,12 @@ def _modernbert_decoder_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]
     if arch != "ModernBertDecoderForCausalLM":
         return {}
     return {"local_rope_theta": cfg["modernbert_local_rope_theta"], "norm_bias": bool(cfg.get("norm_bias", False)),
-            "embedding_norm": True}
+            "layer_norm_eps": float(cfg["norm_eps"]), "embedding_norm": True}  # (the head's norm: layer_norm_eps)
 
 
-def _nanochat_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """nanochat's weightless norm over the embeddings, and its and Beam's logits' soft cap (null: none)."""
+def _final_logit_cap_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """nanochat's and Beam's logits' soft cap (null: none), and nanochat's weightless norm over the
+    embeddings (Gemma's cap: _gemma_from_dict)."""
     if arch not in ("NanoChatForCausalLM", "BeamForCausalLM"):
         return {}
     cap = cfg.get("final_logit_softcapping")
@@ -1997,20 +2006,7 @@ def _modernbert_decoder_config(cfg: dict[str, Any]) -> dict[str, Any]:
            "eos_token_id": 50282, **cfg}
     if not cfg["local_attention"]:  # (transformers' window would be -1, its mask then wrong)
         raise ValueError("ModernBertDecoderForCausalLM needs a local_attention window for its windowed layers")
-    num_layers = int(cfg["num_hidden_layers"])
-    kinds = cfg.get("layer_types")
-    if not isinstance(kinds, list):
-        every = int(cfg.get("global_attn_every_n_layers", 3))
-        kinds = ["sliding_attention" if i % every else "full_attention" for i in range(num_layers)]
-    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
-    thetas = {}
-    for kind, key, default in (("full_attention", "global_rope_theta", 160_000.0),
-                               ("sliding_attention", "local_rope_theta", 10_000.0)):
-        kind_params = params.get(kind) or {}
-        if kind_params.get("rope_type", "default") != "default" or cfg.get("rope_scaling"):
-            raise ValueError("ModernBertDecoderForCausalLM: only default RoPE is served, got "
-                             f"{kind_params or cfg.get('rope_scaling')}")
-        thetas[kind] = float(kind_params.get("rope_theta") or cfg.get(key) or default)
+    kinds, thetas = _modernbert_kinds_and_bases("ModernBertDecoderForCausalLM", cfg)
     if cfg.get("classifier_activation", "gelu") not in ("gelu", "gelu_pytorch_tanh"):
         raise ValueError(f"ModernBertDecoderForCausalLM's head activation must be 'gelu' or 'gelu_pytorch_tanh', "
                          f"got {cfg['classifier_activation']!r}")
@@ -2939,7 +2935,8 @@ class ModelConfig:
     # every fourth layer without positions (NoPE).
     rope_layers: tuple[bool, ...] = ()
     # GPT-2, GPTBigCode, OPT: a learned table of a row per position (max_position_embeddings of them,
-    # after position_offset unread ones) added to the token embeddings, in place of RoPE.
+    # after position_offset unread ones) added to the token embeddings, in place of RoPE (BioGPT's too;
+    # XGLM's table, in the same place, fixed sinusoids: sinusoidal_positions).
     learned_positions: bool = False
     # XGLM: the positions' table is fairseq's fixed sinusoids (not read), its row position_padding_row zero.
     sinusoidal_positions: bool = False
@@ -2992,7 +2989,8 @@ class ModelConfig:
     hidden_act: str = "silu"
     # Gemma 2/3 scale attention scores by query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5.
     query_pre_attn_scalar: float | None = None
-    # Gemma 2's soft caps: cap * tanh(x / cap) on attention scores and on the final logits.
+    # Gemma 2's soft caps: cap * tanh(x / cap) on attention scores and on the final logits (the latter
+    # also nanochat's and Beam's; computed in fp32, the logits returned so).
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     # Gemma 3: the sliding-window layers' RoPE base (plain RoPE; the others use rope_theta and
@@ -3574,7 +3572,7 @@ class ModelConfig:
             **_smollm3_fields(arch, cfg, num_layers),
             **_olmo3_fields(arch, cfg),
             **_granite_fields(arch, cfg),
-            **_nanochat_fields(arch, cfg),
+            **_final_logit_cap_fields(arch, cfg),
             **_modernbert_decoder_fields(arch, cfg),
             **_minicpm_fields(arch, cfg),
             **hybrid,

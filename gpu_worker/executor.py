@@ -62,6 +62,15 @@ def _in_ray_actor() -> bool:
         return False
 
 
+# Families whose adapters would name modules the engine does not wrap (refused at start, not at an
+# adapter's load).
+LORA_UNSERVED = {
+    "JetMoeForCausalLM": "its attention experts' projections are stacked parameters, not layers LoRA wraps",
+    "LongcatFlashForCausalLM": "its layers are served as half-layers under other names",
+    "ModernBertDecoderForCausalLM": "its fused Wi / Wo projections are not adapter targets here",
+}
+
+
 def _worker_kwargs(config: EngineConfig, model: str | Path, max_model_len: int, num_cpus: int | None,
                    pooler_dense: tuple[DenseProjection, ...] = ()) -> dict[str, Any]:
     """A worker's arguments; ``model``: what it loads, which it resolves on its own node (a GGUF is
@@ -202,6 +211,10 @@ class _ExecutorBase(Executor):
                                    lora=config.lora_config is not None)
             except ValueError as e:
                 raise ValueError(f"engine {config.engine_index}: {e}") from None
+        if config.lora_config is not None and self.model_config.architecture in LORA_UNSERVED:
+            raise ValueError(f"engine {config.engine_index}: LoRA adapters are not served for "
+                             f"{self.model_config.architecture} ({LORA_UNSERVED[self.model_config.architecture]}): "
+                             "drop --enable-lora")
         if self.model_config.architecture == "BitNetForCausalLM" and config.tensor_parallel_size > 1:
             raise ValueError(f"engine {config.engine_index}: BitNetForCausalLM is served on one tensor-parallel "
                              "rank (its norms inside each sublayer span whole rows)")

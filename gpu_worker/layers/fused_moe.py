@@ -63,6 +63,8 @@ def select_experts_grouped(router_logits: torch.Tensor, top_k: int, renormalize:
     (``scoring`` "softmax"): the scores are the softmax over all experts, without a bias. Kolibri's
     ("sigmoid_logits"): the choice reads the logits (not their sigmoids) plus the bias, the weights are
     the sigmoids. Returns (weights [tokens, top_k] fp32, expert ids [tokens, top_k])."""
+    if scoring not in ("softmax", "sigmoid", "sigmoid_logits"):
+        raise ValueError(f"unknown expert scoring {scoring!r}")
     logits = router_logits.float()
     scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
     choice = logits if scoring == "sigmoid_logits" else scores

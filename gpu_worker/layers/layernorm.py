@@ -93,7 +93,7 @@ class ParameterFreeLayerNorm(LayerNorm):
 
 
 class WeightlessRMSNorm(RMSNorm):
-    """RMSNorm without a learnt weight (nanochat's, Llama 4's L2 norm): x / rms(x) in fp32, cast back.
+    """RMSNorm without a learnt weight (nanochat's): x / rms(x) in fp32, cast back.
     Its weight is a buffer of ones, not read from a checkpoint, so RMSNorm's kernels serve it unchanged
     (a product by one is exact)."""
 

@@ -47,7 +47,8 @@ def tp_rank_and_size(tp_rank: int | None, tp_size: int | None) -> tuple[int, int
 
 class ColumnParallelLinear(nn.Module):
     """Y = X A^T with A split by rows (output features): each rank computes its slice of Y.
-    ``quantize_input`` (BitNet's checkpoints): X rounded per token to 8 bits first (fake_quantize_per_token)."""
+    ``quantize_input``: marked where X is rounded per token to 8 bits first (BitNet's checkpoints:
+    gpu_worker.bitnet_checkpoint.quantize_linear_inputs wraps the layer's forward)."""
 
     quantize_input = False
 
@@ -74,8 +75,6 @@ class ColumnParallelLinear(nn.Module):
         load_sharded(param, loaded, 0, self.tp_rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantize_input:
-            x = fake_quantize_per_token(x)
         out = F.linear(x, self.weight, self.bias)
         if self.gather_output:
             out = distributed.all_gather(out, dim=-1)
@@ -152,8 +151,7 @@ class RowParallelLinear(nn.Module):
 
     The bias is added once, after the reduction, so it is not counted tp_size times. With
     ``reduce_results=False`` the caller all-reduces (a MoE block: routed + shared expert).
-    ``quantize_input`` (BitNet's checkpoints, one rank): X rounded per token to 8 bits first, as
-    ColumnParallelLinear's.
+    ``quantize_input``: as ColumnParallelLinear's (BitNet's checkpoints, one rank).
     """
 
     quantize_input = False
@@ -180,8 +178,6 @@ class RowParallelLinear(nn.Module):
         copy_into(param, loaded.narrow(0, 0, loaded.shape[0]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantize_input:
-            x = fake_quantize_per_token(x)
         if self.tp_size == 1:
             return F.linear(x, self.weight, self.bias)
         out = F.linear(x, self.weight)

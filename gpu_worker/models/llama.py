@@ -385,7 +385,8 @@ class LlamaModel(nn.Module):
         self.stage = stage = PipelineStage(config)
         self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size) if stage.holds_embedding
                              else PPMissingLayer())
-        # GPT-2's, GPTBigCode's and OPT's learned positions, added to the first layer's input.
+        # GPT-2's, GPTBigCode's, OPT's and BioGPT's learned positions (XGLM's fixed sinusoids), added to the
+        # first layer's input.
         self.embed_positions = ((SinusoidalPositionEmbedding(config.max_position_embeddings, config.hidden_size,
                                                              config.position_offset, config.position_padding_row)
                                  if config.sinusoidal_positions else
@@ -533,8 +534,9 @@ class LlamaForCausalLM(nn.Module):
         cap = self.config.final_logit_softcapping  # (Gemma 2 / 3 / 3n / 4's, nanochat's, Beam's)
         if cap is not None and logits is not None:
             # (In fp32, the capped logits returned so: near the cap, bf16's tanh would round the top
-            # logits to steps of a tenth; transformers' Beam caps in fp32 for that reason.)
-            logits = torch.tanh(logits.float() / cap).mul_(cap)
+            # logits to steps of a tenth; transformers' Beam caps in fp32 for that reason, its Gemma and
+            # vLLM in the model's dtype. In place: the head's output is this call's own tensor.)
+            logits = logits.float().div_(cap).tanh_().mul_(cap)
         return logits
 
     def classify(self, pooled: torch.Tensor, per_token: bool = False) -> torch.Tensor:
@@ -712,8 +714,13 @@ class FlintForCausalLM(LlamaForCausalLM):
     under transformers' name."""
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
-        return sinks_under_attention((name.replace(".mlp.shared_expert.", ".mlp.shared_experts."), tensor)
-                                     for name, tensor in weights)
+        return sinks_under_attention((self.lora_module_name(name), tensor) for name, tensor in weights)
+
+    @staticmethod
+    def lora_module_name(name: str) -> str:
+        """A checkpoint's (or an adapter's) name as ours: the shared expert's ``shared_expert`` our
+        ``shared_experts``."""
+        return name.replace(".mlp.shared_expert.", ".mlp.shared_experts.")
 
 
 class GraniteMoeForCausalLM(GraniteForCausalLM):

@@ -117,16 +117,18 @@ class ModernBertEncoder(nn.Module):
 
 
 class ModernBertPredictionHead(nn.Module):
-    """The classifier's head over the pooled state: dense, activation, norm."""
+    """The classifier's head over the pooled state (the decoder's over each row before its vocabulary
+    projection): dense, activation, norm; in fp32 (a classifier's, as vLLM runs them) or the model's dtype."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, fp32: bool = True) -> None:
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size,
                                bias=bool(config.raw.get("classifier_bias", False)))
         self.approximate = ENCODER_ACTIVATIONS[config.raw.get("classifier_activation") or "gelu"]
         self.norm = _norm(config)
         self.requires_grad_(False)
-        self.float()  # (heads run in fp32, as vLLM runs them)
+        if fp32:
+            self.float()
 
     def forward(self, pooled: torch.Tensor) -> torch.Tensor:
         return self.norm.forward(F.gelu(self.dense.forward(pooled), approximate=self.approximate))

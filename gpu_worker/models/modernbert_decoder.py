@@ -17,13 +17,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.config import ModelConfig
 from gpu_worker.layers.layernorm import LayerNorm
 from gpu_worker.layers.weight_utils import WeightLike, gate_and_up
 from gpu_worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from gpu_worker.models.modernbert import ModernBertPredictionHead
 from gpu_worker.models.renamed_checkpoint import rename_parts
 
 
@@ -56,20 +56,6 @@ class ModernBertDecoderModel(LlamaModel):
             self.norm = LayerNorm(config.hidden_size, config.rms_norm_eps, bias=config.norm_bias)
 
 
-class PredictionHead(nn.Module):
-    """dense -> activation -> norm, before the vocabulary projection."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size,
-                               bias=bool(config.raw.get("classifier_bias", False))).requires_grad_(False)
-        self.approximate = "tanh" if config.raw.get("classifier_activation") == "gelu_pytorch_tanh" else "none"
-        self.norm = LayerNorm(config.hidden_size, config.rms_norm_eps, bias=config.norm_bias)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.norm.forward(F.gelu(self.dense.forward(hidden), approximate=self.approximate))
-
-
 class ModernBertDecoderForCausalLM(LlamaForCausalLM):
     model_class = ModernBertDecoderModel
 
@@ -79,7 +65,7 @@ class ModernBertDecoderForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
-        self.head_transform = PredictionHead(config) if self.lm_head is not None else None
+        self.head_transform = ModernBertPredictionHead(config, fp32=False) if self.lm_head is not None else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return super().compute_logits(hidden if self.head_transform is None else self.head_transform.forward(hidden))

@@ -1815,6 +1815,24 @@ def test_axk1_config_as_released():
         ModelConfig.from_dict({**released, "q_lora_rank": None})
 
 
+def test_logit_soft_caps_are_computed_in_fp32_for_a_bf16_model(tmp_path):
+    """A bf16 model's capped logits (nanochat's here; Gemma's, Beam's alike) come back in fp32, cap *
+    tanh(logit / cap) of the head's bf16 logits computed in fp32: bf16's tanh near the cap would round them
+    to steps of (cap / 128) and more."""
+    from gpu_worker.model_runner import ModelRunner
+
+    path = save_tiny_model(tmp_path, "nanochat", final_logit_softcapping=2.0)
+    runner = ModelRunner(ModelConfig.from_pretrained(path), device="cpu", dtype=torch.bfloat16)
+    runner.load_model(path)
+    hidden = torch.randn(7, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    with torch.no_grad():
+        logits = runner.model.compute_logits(hidden)
+        raw = runner.model.lm_head(hidden).float()
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, 2.0 * torch.tanh(raw / 2.0), atol=1e-6, rtol=0)
+    assert not torch.equal(logits, (2.0 * torch.tanh(raw.bfloat16() / 2.0)).float())
+
+
 def test_nanochat_config_as_released():
     """nanochat's config as transformers' NanoChatConfig describes it: 12 layers of 768, 6 heads (as many KV
     heads unless stated), an ungated relu^2 MLP of 8192, weightless norms (one over the embeddings), the
@@ -1991,11 +2009,12 @@ def test_xglms_positions_are_transformers_sinusoids():
 
     from gpu_worker.layers.embedding import SinusoidalPositionEmbedding
 
-    for dim in (64, 65):
-        theirs = XGLMSinusoidalPositionalEmbedding(100, dim, padding_idx=1)
-        ours = SinusoidalPositionEmbedding(100, dim, offset=2, padding_row=1)
+    for dim, pad in ((64, 1), (65, 5)):  # (a padding row a position reads: row 5 is position 3)
+        theirs = XGLMSinusoidalPositionalEmbedding(100, dim, padding_idx=pad)
+        ours = SinusoidalPositionEmbedding(100, dim, offset=2, padding_row=pad)
         positions = torch.arange(100)
         torch.testing.assert_close(ours(positions), theirs(positions[None]).squeeze(0), atol=1e-6, rtol=0)
+        torch.testing.assert_close(ours.weight, theirs.weights, atol=1e-6, rtol=0)
 
 
 def test_jetmoe_config_as_released():
@@ -2071,7 +2090,8 @@ def test_beam_config_as_released():
 
 def test_beams_query_scale_is_transformers_at_long_positions():
     """The full layers' query scale by position, far past the test prompts' lengths (where it is near 1):
-    transformers' compute_attention_scaling, and applied to the queries in fp32."""
+    transformers' compute_attention_scaling, kept in fp32 (so a bf16 model's queries are scaled in fp32,
+    as the bf16 logprob test of the engine runs them)."""
     from transformers.models.beam.modeling_beam import compute_attention_scaling
 
     from gpu_worker.models.beam import BeamModel
