@@ -35,10 +35,8 @@ class Glm4DecoderLayer(LlamaDecoderLayer):
 
     def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = self._attention(rope, hidden, residual, meta)
-        hidden = self.post_self_attn_layernorm.forward(hidden)
-        hidden, residual = self.post_attention_layernorm.forward(hidden, residual)
-        return self.post_mlp_layernorm.forward(self.mlp.forward(hidden)), residual
+        return self.sandwich_forward(rope, hidden, residual, meta, self.post_self_attn_layernorm,
+                                     self.post_attention_layernorm, self.post_mlp_layernorm)
 
 
 class Glm4Model(LlamaModel):

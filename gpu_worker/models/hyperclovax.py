@@ -30,15 +30,8 @@ class HyperCLOVAXDecoderLayer(LlamaDecoderLayer):
         residual_multiplier, before its residual add (fused into the next norm)."""
         if self.post_norm1 is None:
             return super().forward(rope, hidden, residual, meta)
-        hidden, residual = self._attention(rope, hidden, residual, meta)
-        hidden = self.post_norm1.forward(hidden)
-        if self.residual_multiplier != 1.0:
-            hidden.mul_(self.residual_multiplier)
-        hidden, residual = self.post_attention_layernorm.forward(hidden, residual)
-        hidden = self.post_norm2.forward(self.mlp.forward(hidden))
-        if self.residual_multiplier != 1.0:
-            hidden.mul_(self.residual_multiplier)
-        return hidden, residual
+        return self.sandwich_forward(rope, hidden, residual, meta, self.post_norm1, self.post_attention_layernorm,
+                                     self.post_norm2)
 
 
 class HyperCLOVAXModel(LlamaModel):

@@ -308,12 +308,19 @@ class LlamaDecoderLayer(nn.Module):
     def sandwich_forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, residual: torch.Tensor | None,
                          meta: AttentionMetadata, after_mixer: nn.Module, before_mlp: nn.Module,
                          after_mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer with four norms (Gemma 2 / 3's, AFMoE's, LFM3's): the token mixer's output normed by
-        ``after_mixer`` before its residual add, the MLP's input by ``before_mlp`` (which adds the
-        residual), its output by ``after_mlp``. (hidden, residual) in and out, as forward's."""
+        """The layer with four norms (Gemma 2 / 3's, GLM-4's, AFMoE's, LFM3's, HyperCLOVA X's): the token
+        mixer's output normed by ``after_mixer`` before its residual add, the MLP's input by ``before_mlp``
+        (which adds the residual), its output by ``after_mlp``; each normed output times Granite's
+        residual_multiplier where it is not 1 (HyperCLOVA X's). (hidden, residual) in and out, as forward's."""
         hidden, residual = self._attention(rope, hidden, residual, meta)
-        hidden, residual = before_mlp.forward(after_mixer.forward(hidden), residual)
-        return after_mlp.forward(self.mlp.forward(hidden)), residual
+        hidden = after_mixer.forward(hidden)
+        if self.residual_multiplier != 1.0:  # (the norms' outputs are this layer's own tensors)
+            hidden.mul_(self.residual_multiplier)
+        hidden, residual = before_mlp.forward(hidden, residual)
+        hidden = after_mlp.forward(self.mlp.forward(hidden))
+        if self.residual_multiplier != 1.0:
+            hidden.mul_(self.residual_multiplier)
+        return hidden, residual
 
     def _attention(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, residual: torch.Tensor | None,
                    meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
