@@ -107,7 +107,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "HyperCLOVAXForCausalLM", "AXK1ForCausalLM", "NanoChatForCausalLM",
                            "Kolibri1ForCausalLM", "FlintForCausalLM", "BeamForCausalLM", "BitNetForCausalLM",
                            "JetMoeForCausalLM", "LongcatFlashForCausalLM", "BioGptForCausalLM", "XGLMForCausalLM",
-                           "ModernBertDecoderForCausalLM")
+                           "ModernBertDecoderForCausalLM", "DeepseekV32ForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -130,8 +130,12 @@ GRANITE_MOE_ARCHITECTURES = ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausal
 # IBM's Granite with windowed layers, a sink per query head and a RoPE base per layer (GraniteSWA), and
 # its MoE (GraniteMoeSWA: Granite MoE Shared's experts).
 GRANITE_SWA_ARCHITECTURES = ("GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM")
-# Multi-head latent attention (MLA): DeepSeek-V2 / V3 (and Kimi K2, DeepSeek-R1: V3's architecture).
-DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+# Multi-head latent attention (MLA): DeepSeek-V2 / V3 (and Kimi K2, DeepSeek-R1: V3's architecture), and
+# DeepSeek-V3.2 (V3's layers whose attention reads the keys its indexer picks: DeepSeek Sparse Attention).
+DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
+# DeepSeek Sparse Attention's architectures, and transformers' defaults of their indexer:
+# (index_n_heads, index_head_dim, index_topk).
+_DSA_DEFAULTS = {"DeepseekV32ForCausalLM": (64, 128, 2048)}
 # MLA's models: DeepSeek's, MiniCPM3 (MLA with RoPE in halves, dense MLPs, muP-style scalings) and
 # GLM-4.7-Flash (Glm4MoeLiteForCausalLM: DeepSeek-V3's attention with GLM-4.5's experts).
 MLA_ARCHITECTURES = (*DEEPSEEK_ARCHITECTURES, "MiniCPM3ForCausalLM", "Glm4MoeLiteForCausalLM", "YoutuForCausalLM",
@@ -139,6 +143,7 @@ MLA_ARCHITECTURES = (*DEEPSEEK_ARCHITECTURES, "MiniCPM3ForCausalLM", "Glm4MoeLit
 # transformers' defaults of each: (qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank, q_lora_rank,
 # v_head_dim; None: hidden_size / num_attention_heads).
 _MLA_DEFAULTS = {"DeepseekV2ForCausalLM": (128, 64, 512, 1536, 128), "DeepseekV3ForCausalLM": (128, 64, 512, 1536, 128),
+                 "DeepseekV32ForCausalLM": (128, 64, 512, 1536, 128),
                  "MiniCPM3ForCausalLM": (64, 32, 256, 768, None), "Glm4MoeLiteForCausalLM": (192, 64, 512, 768, 256),
                  "YoutuForCausalLM": (128, 64, 512, 1536, 128), "AXK1ForCausalLM": (128, 64, 512, 1536, 128),
                  "LongcatFlashForCausalLM": (128, 64, 512, 1536, 128)}
@@ -2337,14 +2342,33 @@ def _mla_fields(arch: str, cfg: dict[str, Any], scaling: dict[str, Any] | None) 
         scale *= yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"])) ** 2
     # (DeepSeek-V2-Lite's config says null: a plain query projection)
     q_lora = cfg.get("q_lora_rank", q_lora_default)
-    if arch == "AXK1ForCausalLM" and not q_lora:  # (transformers' AXK1Attention always builds q_a_proj)
-        raise ValueError("AXK1ForCausalLM always has a query LoRA: q_lora_rank must be set")
+    if arch in ("AXK1ForCausalLM", *_DSA_DEFAULTS) and not q_lora:
+        # (transformers' AXK1Attention always builds q_a_proj; DSA's indexer reads its queries from it)
+        raise ValueError(f"{arch} always has a query LoRA: q_lora_rank must be set")
     v_dim = cfg.get("v_head_dim") or v_default or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
-    return dict(kv_lora_rank=int(cfg.get("kv_lora_rank") or kv_lora_default),
+    return dict(**_dsa_fields(arch, cfg, rope),kv_lora_rank=int(cfg.get("kv_lora_rank") or kv_lora_default),
                 q_lora_rank=int(q_lora) if q_lora else 0, qk_nope_head_dim=nope, qk_rope_head_dim=rope,
                 v_head_dim=int(v_dim),
-                rope_interleave=arch != "MiniCPM3ForCausalLM" and bool(cfg.get("rope_interleave", True)),
+                # (transformers' DeepSeek-V3.2 rotates its attention's values in pairs whatever the key says)
+                rope_interleave=arch != "MiniCPM3ForCausalLM" and (arch in _DSA_DEFAULTS
+                                                                    or bool(cfg.get("rope_interleave", True))),
                 attention_multiplier=scale)
+
+
+def _dsa_fields(arch: str, cfg: dict[str, Any], rope: int) -> dict[str, Any]:
+    """DeepSeek Sparse Attention's indexer (DeepSeek-V3.2): index_n_heads heads of index_head_dim values
+    (the first qk_rope_head_dim rotated) score every earlier key; each query attends to the index_topk
+    best. Not DSA: none."""
+    if arch not in _DSA_DEFAULTS:
+        return {}
+    heads_default, dim_default, topk_default = _DSA_DEFAULTS[arch]
+    heads = int(cfg.get("index_n_heads") or heads_default)
+    dim = int(cfg.get("index_head_dim") or dim_default)
+    topk = int(cfg.get("index_topk") or topk_default)
+    if dim < rope or heads < 1 or topk < 1:
+        raise ValueError(f"the indexer needs index_head_dim ({dim}) at least qk_rope_head_dim ({rope}), "
+                         f"index_n_heads ({heads}) and index_topk ({topk}) at least 1")
+    return dict(index_n_heads=heads, index_head_dim=dim, index_topk=topk)
 
 
 def _dynamic_ntk_within_pretrained_length(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -2524,7 +2548,8 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
             if unset:
                 raise ValueError(f"a Dots1ForCausalLM config must state {', '.join(unset)}")
         defaults = {"Glm4MoeForCausalLM": (128, 1408, 8, 1, 1.0), "DeepseekV2ForCausalLM": (64, 1407, 6, 0, 1.0),
-                    "DeepseekV3ForCausalLM": (256, 2048, 8, 3, 2.5), "Dots1ForCausalLM": (0, 1408, 0, 0, 1.0),
+                    "DeepseekV3ForCausalLM": (256, 2048, 8, 3, 2.5), "DeepseekV32ForCausalLM": (256, 2048, 8, 3, 2.5),
+                    "Dots1ForCausalLM": (0, 1408, 0, 0, 1.0),
                     "MiniCPM5MoeForCausalLM": (160, 512, 16, 1, 3.66),
                     "Glm4MoeLiteForCausalLM": (64, 1536, 4, 1, 1.8),
                     "ExaoneMoeForCausalLM": (64, 1024, 8, 1, 2.5),
@@ -2533,11 +2558,11 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
         num_experts = read("n_routed_experts", defaults[0], "num_local_experts", "num_experts")
         width = read("moe_intermediate_size", defaults[1])
         # (transformers' defaults: DeepSeek-V3's and A.X-K1's 8 groups, 4 kept)
-        grouped = 8 if arch in ("DeepseekV3ForCausalLM", "AXK1ForCausalLM") else 1
+        grouped = 8 if arch in ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "AXK1ForCausalLM") else 1
         groups, kept = read("n_group", grouped) or 1, read("topk_group", grouped // 2 or 1) or 1
         if v2 and cfg.get("topk_method", "greedy") == "greedy":
             groups = kept = 1
-        elif not v2 and arch in ("DeepseekV3ForCausalLM", "Dots1ForCausalLM") \
+        elif not v2 and arch in ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "Dots1ForCausalLM") \
                 and cfg.get("topk_method", "noaux_tc") != "noaux_tc":
             raise ValueError(f"topk_method must be 'noaux_tc' for {arch}, got {cfg.get('topk_method')!r}")
         if num_experts % groups or not 0 < kept <= groups:
@@ -2558,8 +2583,8 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
                                 "AXK1ForCausalLM")
         num_mtp = 0 if no_mtp else int(cfg.get("num_nextn_predict_layers") or 0)
         moe_layers = tuple(i >= first_moe and i % every == 0 for i in range(num_layers + num_mtp))
-        if arch in ("MiniCPM5MoeForCausalLM", "Glm4MoeLiteForCausalLM", "ExaoneMoeForCausalLM", "AXK1ForCausalLM") \
-                and isinstance(cfg.get("mlp_layer_types"), list):
+        if arch in ("MiniCPM5MoeForCausalLM", "Glm4MoeLiteForCausalLM", "ExaoneMoeForCausalLM", "AXK1ForCausalLM",
+                    "DeepseekV32ForCausalLM") and isinstance(cfg.get("mlp_layer_types"), list):
             kinds = cfg["mlp_layer_types"]
             if len(kinds) != num_layers or not set(kinds) <= {"dense", "sparse"}:
                 raise ValueError(f"mlp_layer_types must name 'dense' or 'sparse' for each of the {num_layers} "
@@ -2972,6 +2997,13 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False
+    # DeepSeek Sparse Attention (DeepSeek-V3.2; index_topk 0: none): an indexer of index_n_heads heads of
+    # index_head_dim values scores each earlier key for each query, which attends to the index_topk
+    # best (all of them while it sees no more). The cache row holds the indexer's key after the
+    # latent's: head_dim is kv_lora_rank + qk_rope_head_dim + index_head_dim.
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
     # Per layer, whether its MLP is the routed experts (empty: every layer's is, in an MoE model).
     # Qwen-MoE keeps dense MLPs in mlp_only_layers and off its decoder_sparse_step.
     moe_layers: tuple[bool, ...] = ()
@@ -3399,8 +3431,10 @@ class ModelConfig:
                     cfg = {**cfg, key: rope}
         theta, scaling = _rope_from_dict(arch, cfg)
         mla = _mla_fields(arch, cfg, scaling)
-        if mla:  # (the cache's view: one latent "head" of kv_lora_rank + qk_rope_head_dim values)
-            num_kv_heads, head_dim = 1, mla["kv_lora_rank"] + mla["qk_rope_head_dim"]
+        if mla:  # (the cache's view: one latent "head" of kv_lora_rank + qk_rope_head_dim values, and
+            # under DSA the indexer's key beside them)
+            num_kv_heads = 1
+            head_dim = mla["kv_lora_rank"] + mla["qk_rope_head_dim"] + mla.get("index_head_dim", 0)
             cfg = {k: v for k, v in cfg.items() if k != "partial_rotary_factor"}
         if arch == "Olmo3ForCausalLM" and scaling and scaling["rope_type"] == "longrope":
             # (LongRoPE picks rows by a shifted position, which its windowed layers' plain RoPE would not follow)

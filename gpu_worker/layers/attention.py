@@ -29,7 +29,7 @@ from gpu_worker.layers.linear import tp_rank_and_size
 from gpu_worker.layers.weight_utils import WeightLike, copy_into
 
 
-def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int, dtype: torch.dtype) -> torch.Tensor:
+def gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int, dtype: torch.dtype) -> torch.Tensor:
     """[..., num_blocks] block ids -> [..., num_kv_heads, seq_len, head_dim] in ``dtype`` (a copy of
     those blocks; an fp8 cache is gathered as bytes, then widened)."""
     _, block_size, num_kv_heads, head_dim = cache.shape
@@ -160,8 +160,8 @@ class PagedAttention(nn.Module):
                                                               meta.decode_key_starts, self.softcap, self.sinks,
                                                               self.alibi_slopes)
             else:
-                kd = _gather_kv(k_cache, meta.decode_block_table, meta.decode_max_seq_len, q.dtype)
-                vd = _gather_kv(v_cache, meta.decode_block_table, meta.decode_max_seq_len, q.dtype)
+                kd = gather_kv(k_cache, meta.decode_block_table, meta.decode_max_seq_len, q.dtype)
+                vd = gather_kv(v_cache, meta.decode_block_table, meta.decode_max_seq_len, q.dtype)
                 # One query token per request: the query heads sharing a KV head become that head's
                 # "query rows", so grouped-query attention needs no K/V repetition.
                 qd = q[:nd].view(nd, num_kv_heads, self.num_groups, head_dim)
@@ -183,8 +183,8 @@ class PagedAttention(nn.Module):
         gqa = self.num_groups > 1
         for span in meta.prefills:
             s, e = span.token_start, span.token_end
-            kp = _gather_kv(k_cache, span.block_ids, span.num_keys, q.dtype).unsqueeze(0)
-            vp = _gather_kv(v_cache, span.block_ids, span.num_keys, q.dtype).unsqueeze(0)
+            kp = gather_kv(k_cache, span.block_ids, span.num_keys, q.dtype).unsqueeze(0)
+            vp = gather_kv(v_cache, span.block_ids, span.num_keys, q.dtype).unsqueeze(0)
             if self.eager or q.device.type in self.tiled_prefill_on:
                 out[s:e] = self._eager_prefill(q[s:e], kp, vp, span.mask)
                 continue

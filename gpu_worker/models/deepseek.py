@@ -73,13 +73,17 @@ class MLAAttention(nn.Module):
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora, heads * (self.nope + self.v_dim))
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias=config.o_proj_bias)
         self.num_heads = self.kv_b_proj.output_size_per_partition // (self.nope + self.v_dim)
-        self.attn = PagedAttention(self.num_heads, 1, self.kv_lora + self.rope, config.attention_scale,
+        # (Under DeepSeek Sparse Attention the cache row also holds the indexer's key: deepseek_v32.)
+        self.attn = PagedAttention(self.num_heads, 1, self.kv_lora + self.rope + config.index_head_dim,
+                                   config.attention_scale,
                                    tiled_prefill_on=("cuda",))
 
     def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens, heads, nope = hidden.shape[0], self.num_heads, self.nope
+        q_resid = None
         if self.q_proj is None:
-            q = self.q_b_proj.forward(self.q_a_layernorm.forward(self.q_a_proj.forward(hidden)))
+            q_resid = self.q_a_layernorm.forward(self.q_a_proj.forward(hidden))
+            q = self.q_b_proj.forward(q_resid)
         else:
             q = self.q_proj.forward(hidden)
         q = q.view(num_tokens, heads, nope + self.rope)
@@ -93,11 +97,19 @@ class MLAAttention(nn.Module):
         # Each head's query in the latent's space: [heads, tokens, nope] @ [heads, nope, kv_lora].
         q_latent = torch.bmm(q[..., :nope].transpose(0, 1), w[:, :nope]).transpose(0, 1)
         key = torch.cat((c.unsqueeze(1), k_pe), dim=-1)
-        out = self.attn.forward(torch.cat((q_latent, q_pe), dim=-1), key, key, meta)
-        out = out.view(num_tokens, heads, self.kv_lora + self.rope)[..., : self.kv_lora]
+        out = self.attend(rope, hidden, q_resid, torch.cat((q_latent, q_pe), dim=-1), key, meta)
+        out = out.view(num_tokens, heads, self.attn.head_dim)[..., : self.kv_lora]
         # Back from the latent, per head: [heads, tokens, kv_lora] @ [heads, kv_lora, v].
         out = torch.bmm(out.transpose(0, 1), w[:, nope:].transpose(1, 2))
         return self.o_proj.forward(out.transpose(0, 1).reshape(num_tokens, heads * self.v_dim))
+
+    def attend(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, q_resid: torch.Tensor | None,
+               query: torch.Tensor, key: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The latent queries [T, heads, kv_lora + rope] over the cached rows, the new ``key`` rows [T, 1,
+        kv_lora + rope] written first: [T, heads * head width] (the value is each row's first kv_lora).
+        DeepSeek Sparse Attention's layer adds its indexer here (``hidden``, ``q_resid``: the layer's
+        input and the normed query bottleneck)."""
+        return self.attn.forward(query, key, key, meta)
 
 
 class DeepseekDecoderLayer(LlamaDecoderLayer):

@@ -34,6 +34,7 @@ from gpu_worker.models.deepseek import (
     MiniCPM3ForCausalLM,
     YoutuForCausalLM,
 )
+from gpu_worker.models.deepseek_v32 import DeepseekV32ForCausalLM
 from gpu_worker.models.eagle import EAGLE_HEADS
 from gpu_worker.models.exaone import ExaoneForCausalLM
 from gpu_worker.models.falcon import FalconForCausalLM
@@ -163,6 +164,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
     "MiniCPM3ForCausalLM": MiniCPM3ForCausalLM,
     "Glm4MoeLiteForCausalLM": Glm4MoeLiteForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,

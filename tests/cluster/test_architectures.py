@@ -27,13 +27,15 @@ KINDS = ["llama", "qwen2", "qwen3", "phi3", "mistral", "mixtral", "qwen2_moe", "
          "jais2", "solar_open", "youtu", "afmoe", "laguna", "mellum", "hy_v3",
          "mimo_v2_flash", "granite_swa", "granitemoe_swa", "cohere2_moe", "gpt_neo", "codegen",
          "hyperclovax", "axk1", "nanochat", "kolibri1", "flint", "beam", "bitnet",
-         "jetmoe", "longcat_flash", "biogpt", "xglm", "modernbert_decoder"]
+         "jetmoe", "longcat_flash", "biogpt", "xglm", "modernbert_decoder", "deepseek_v32"]
 # (Mistral's window of 8 keys is crossed by most prompts; Gemma 3 alternates windowed and full layers.)
 OVERRIDES = {"mistral": {"sliding_window": 8}, "cohere": {"use_qk_norm": True},
              "stablelm": {"use_parallel_residual": True, "qk_layernorm": True},
              # (OLMo Hybrid's doubled write strength makes the tiny model's bf16 touchy: transformers' own bf16
              # is 0.63 nats off its fp32 at worst with the usual weights, 0.20 with these)
-             "olmo_hybrid": {"initializer_range": 0.1}}
+             "olmo_hybrid": {"initializer_range": 0.1},
+             # (with the usual weights the tiny DeepSeek-V3.2 never repeats its prompts' n-grams: no draft accepted)
+             "deepseek_v32": {"initializer_range": 0.1}}
 # Token-id prompts (the tiny models' vocabulary is 256): two share a 12-token prefix (three blocks).
 _PREFIX = [(7 * i + 3) % 256 for i in range(12)]
 PROMPTS = [_PREFIX + [5, 9], _PREFIX + [40, 41, 42], [(11 * i + 5) % 256 for i in range(45)], [17, 18],
@@ -105,10 +107,11 @@ def test_gemma4s_caches_of_two_geometries_go_to_the_host_tier_and_back(tmp_path)
     assert again[0].num_cached_tokens >= 32 and stats.kv_offload_loaded_blocks >= 8
 
 
-@pytest.mark.parametrize("kind", ["gemma3n", "gemma4"])
-def test_kv_sharing_layers_verify_ngram_drafts_as_transformers_answers(tmp_path, kind):
-    """Gemma 3n's and Gemma 4's KV-sharing layers attend over their sources' caches with several query
-    rows a request (the drafts being verified): the greedy tokens stay transformers', drafts accepted."""
+@pytest.mark.parametrize("kind", ["gemma3n", "gemma4", "deepseek_v32"])
+def test_layers_reading_the_cache_their_own_way_verify_ngram_drafts_as_transformers_answers(tmp_path, kind):
+    """Gemma 3n's and Gemma 4's KV-sharing layers attend over their sources' caches, and DeepSeek-V3.2's
+    queries past index_topk keys over the keys their indexer picks, with several query rows a request (the
+    drafts being verified): the greedy tokens stay transformers', drafts accepted."""
     path = _model(tmp_path, kind)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
     outputs, stats = run(path, PROMPTS + PROMPTS[:2], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
@@ -187,7 +190,8 @@ def test_bf16_logprobs_are_transformers_fp32_ones_within_bf16_precision(tmp_path
     moe = "moe" in kind or kind in ("mixtral", "gpt_oss", "deepseek_v3", "deepseek_v2", "minimax_m2", "qwen3_next",
                                     "jamba", "llama4", "dots1", "phimoe", "dbrx", "glm4_moe_lite", "gemma4",
                                     "solar_open", "afmoe", "laguna", "mellum", "hy_v3", "axk1", "kolibri1", "flint",
-                                    "beam", "jetmoe", "longcat_flash", "mimo_v2_flash", "granitemoe_swa", "cohere2_moe")
+                                    "beam", "jetmoe", "longcat_flash", "mimo_v2_flash", "granitemoe_swa", "cohere2_moe",
+                                    "deepseek_v32")
     hf_bf16 = load_hf(path).to(torch.bfloat16) if moe else None
     errors, hf_bf16_errors = [], []
     for prompt, out in zip(PROMPTS, outputs, strict=True):

@@ -48,7 +48,7 @@ def test_writes_convert_and_saturate_and_the_gather_widens(dtype):
     untouched[slots] = False
     assert not stored[untouched].any()
     # Blocks 1 and 0 (slots 4..7, then 0..3), the first 6 positions, as [num_kv_heads, 6, head_dim].
-    gathered = attention._gather_kv(cache, torch.tensor([1, 0]), 6, torch.float32)
+    gathered = attention.gather_kv(cache, torch.tensor([1, 0]), 6, torch.float32)
     assert gathered.dtype == torch.float32
     assert torch.equal(gathered, stored.view(6, 4, 2, 8)[[1, 0]].reshape(8, 2, 8)[:6].transpose(0, 1))
 

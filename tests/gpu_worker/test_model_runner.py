@@ -119,11 +119,12 @@ def test_the_gather_path_takes_attention_outputs_laid_out_as_cuda_kernels_give_t
     ("jetmoe", {}),
     ("longcat_flash", {"num_hidden_layers": 4}),
     ("modernbert_decoder", {}),
+    ("deepseek_v32", {}),
 ], ids=["qwen3", "mixtral", "qwen2_moe_shared_expert_dense_layer", "qwen3_moe", "gemma", "gemma2_capped",
         "gemma3", "gpt_oss", "glm4_moe", "deepseek_v3", "deepseek_v2", "minicpm3", "minicpm5_moe", "glm4_moe_lite",
         "exaone_moe", "gemma3n", "gemma4", "solar_open", "youtu", "afmoe", "laguna",
         "mellum", "mimo_v2_flash", "kolibri1", "flint", "nanochat", "beam", "jetmoe", "longcat_flash",
-        "modernbert_decoder"])
+        "modernbert_decoder", "deepseek_v32"])
 def test_other_architectures_greedy_match_hf(tmp_path, kind, overrides, decode_in_place):
     """Qwen3's per-head q/k norms and own head_dim (32 here; hidden / heads is 16), routed experts,
     and Gemma's (soft caps binding in every attention call, windowed layers beside full ones, Gemma
@@ -542,3 +543,22 @@ def test_a_bad_word_is_banned_once_the_output_ends_with_its_beginning():
     assert bad_word_completions(words, [*prompt, 8], 1) == [5, 9]
     assert bad_word_completions(words, [*prompt, 1, 2], 2) == [5, 3]
     assert bad_word_completions(words, [*prompt, 2], 1) == [5]
+
+
+@pytest.mark.parametrize("decode_in_place", [True, False], ids=["kernel", "gather"])
+def test_deepseek_v32_sparse_attention_in_tiles_of_one_query(tmp_path, monkeypatch, decode_in_place):
+    """DeepSeek Sparse Attention's queries past index_topk keys, one query a tile (the decodes' rows each
+    reading their own blocks, a prefill chunk's rows the chunk's): the greedy tokens stay transformers'."""
+    import gpu_worker.models.deepseek_v32 as deepseek_v32
+
+    monkeypatch.setattr(deepseek_v32, "_VALUES_PER_TILE", 1)
+    path = save_tiny_model(tmp_path, "deepseek_v32", index_topk=4)
+    hf = load_hf(path)
+    runner = runner_for(path, decode_in_place, num_blocks=64, block_size=4)
+    sched = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=13, long_prefill_token_threshold=5)
+    ps = prompts(3, 4)
+    for rid, p in ps.items():
+        sched.add_request(greedy_request(rid, p, 8))
+    got = run_to_completion(sched, runner.execute_model)
+    for rid, p in ps.items():
+        assert got[rid] == hf_greedy(hf, p, 8), rid

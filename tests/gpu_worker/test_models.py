@@ -249,6 +249,13 @@ CASES = {
     # in pairs; V3's sigmoid routing within groups, V2's softmax (greedy, or within groups); YaRN
     # with mscale_all_dim (the softmax scale grows with it); MLA with biases.
     "deepseek_v3": ("deepseek_v3", {"num_hidden_layers": 3}),
+    # DeepSeek-V3.2: each query past its sixth key attends to the six its indexer picks (every chunk of
+    # the prompt's prefill, the later ones reading the indexer's keys from the cache).
+    "deepseek_v32": ("deepseek_v32", {"num_hidden_layers": 3}),
+    "deepseek_v32_yarn_four_wide_index_heads": ("deepseek_v32", {
+        "index_n_heads": 4, "index_head_dim": 32, "index_topk": 11, "q_lora_rank": 48, "rope_parameters": {
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "mscale": 0.7,
+            "mscale_all_dim": 0.7, "beta_fast": 32, "beta_slow": 1, "rope_theta": 10000.0}}),
     "deepseek_v3_yarn_not_interleaved": ("deepseek_v3", {"rope_interleave": False, "rope_parameters": {
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}}),
@@ -741,7 +748,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "Kolibri1ForCausalLM", "FlintForCausalLM", "BeamForCausalLM",
                                    "BitNetForCausalLM", "JetMoeForCausalLM", "LongcatFlashForCausalLM",
                                    "BioGptForCausalLM", "XGLMForCausalLM", "ModernBertDecoderForCausalLM",
-                                   "BertModel",
+                                   "DeepseekV32ForCausalLM", "BertModel",
                                    "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
     assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES) | set(ENCODER_ARCHITECTURES.values())
@@ -1813,6 +1820,41 @@ def test_axk1_config_as_released():
     assert [stated.layer_is_moe(i) for i in range(3)] == [True, False, True]
     with pytest.raises(ValueError, match="query LoRA"):
         ModelConfig.from_dict({**released, "q_lora_rank": None})
+
+
+def test_deepseek_v32_config_as_released():
+    """DeepSeek-V3.2-Exp's config.json (its keys, the FP8 quantization's left out): DeepSeek-V3's latent
+    attention and experts, an indexer of 64 heads of 128 values keeping 2048 keys, whose key widens the
+    cache row to 512 + 64 + 128 values; a config that leaves the indexer's keys out takes transformers'
+    defaults; a model without the query bottleneck the indexer reads is refused."""
+    released = {"architectures": ["DeepseekV32ForCausalLM"], "attention_bias": False, "bos_token_id": 0,
+                "eos_token_id": 1, "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168,
+                "index_head_dim": 128, "index_n_heads": 64, "index_topk": 2048, "intermediate_size": 18432,
+                "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v32",
+                "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256,
+                "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128, "num_experts_per_tok": 8,
+                "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1,
+                "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                 "original_max_position_embeddings": 4096, "type": "yarn"},
+                "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
+                "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
+                "v_head_dim": 128,
+                "vocab_size": 129280}
+    config = ModelConfig.from_dict(released)
+    assert (config.index_n_heads, config.index_head_dim, config.index_topk) == (64, 128, 2048)
+    assert (config.num_key_value_heads, config.head_dim, config.rotary_dim) == (1, 512 + 64 + 128, 64)
+    assert (config.q_lora_rank, config.kv_lora_rank, config.v_head_dim) == (1536, 512, 128) and config.rope_interleave
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_num_groups, config.moe_topk_groups) == (
+        256, 8, 8, 4)
+    assert [config.layer_is_moe(i) for i in (2, 3, 60)] == [False, True, True] and config.num_mtp_layers == 1
+    assert config.rope_scaling["rope_type"] == "yarn" and config.max_context_len == 163840
+    bare = ModelConfig.from_dict({k: v for k, v in released.items() if not k.startswith("index_")})
+    assert (bare.index_n_heads, bare.index_head_dim, bare.index_topk) == (64, 128, 2048)
+    with pytest.raises(ValueError, match="query LoRA"):
+        ModelConfig.from_dict({**released, "q_lora_rank": None})
+    with pytest.raises(ValueError, match="index_head_dim"):
+        ModelConfig.from_dict({**released, "index_head_dim": 32})
 
 
 def test_logit_soft_caps_are_computed_in_fp32_for_a_bf16_model(tmp_path):

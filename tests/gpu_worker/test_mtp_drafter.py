@@ -112,6 +112,9 @@ def test_a_model_without_an_mtp_layer_is_refused(tmp_path):
     llama = ModelConfig.from_pretrained(save_tiny_model(tmp_path / "llama"))
     with pytest.raises(ValueError, match="its architecture has none"):
         mtp_config(llama)
+    v32 = ModelConfig.from_pretrained(save_tiny_model(tmp_path / "v32", "deepseek_v32", num_nextn_predict_layers=1))
+    with pytest.raises(ValueError, match="an indexer of its own"):
+        mtp_config(v32)
 
 
 @pytest.mark.slow

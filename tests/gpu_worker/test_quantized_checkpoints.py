@@ -56,11 +56,12 @@ def _save_fp8(path, block: tuple[int, int] = (16, 16)) -> None:
     (path / "config.json").write_text(json.dumps(config))
 
 
-def _greedy_as_the_reference(path, reference) -> None:
-    """The served model's q_proj and greedy answers equal the reference model's."""
-    runner = make_runner(path, num_blocks=64, block_size=4)
-    torch.testing.assert_close(runner.model.model.layers[0].self_attn.qkv_proj.weight[:64],
-                               reference.model.layers[0].self_attn.q_proj.weight)
+def _greedy_as_the_reference(path, reference, runner=None) -> None:
+    """The served model's q_proj (Llama's) and greedy answers equal the reference model's."""
+    if runner is None:
+        runner = make_runner(path, num_blocks=64, block_size=4)
+        torch.testing.assert_close(runner.model.model.layers[0].self_attn.qkv_proj.weight[:64],
+                                   reference.model.layers[0].self_attn.q_proj.weight)
     rng = random.Random(3)
     prompts = {f"r{i}": [rng.randrange(251) for _ in range(rng.randrange(3, 20))] for i in range(4)}
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=128),
@@ -84,6 +85,40 @@ def test_an_fp8_checkpoint_answers_as_transformers_loads_it(tmp_path):
     q_proj = reference.model.layers[0].self_attn.q_proj.weight
     assert q_proj.dtype == torch.float32 and not torch.equal(q_proj, original.model.layers[0].self_attn.q_proj.weight)
     _greedy_as_the_reference(path, reference)
+
+
+def test_deepseek_v32s_fp8_release_dequantizes_its_indexer_too(tmp_path):
+    """DeepSeek-V3.2's release quantizes the indexer's query and key projections with the rest (its head
+    weights not): they dequantize as read, and the greedy answers are transformers' on the dequantized
+    weights."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    path = save_tiny_model(tmp_path / "fp8", "deepseek_v32", vocab_size=251, num_hidden_layers=3)
+    state, fp8, plain = load_file(str(path / "model.safetensors")), {}, {}
+    for name, tensor in state.items():
+        if name.endswith(("_proj.weight", ".indexer.wq_b.weight", ".indexer.wk.weight")) \
+                and not name.endswith("weights_proj.weight"):
+            values, scales = _quantized(tensor, (16, 16))
+            fp8[name], fp8[name + "_scale_inv"] = values, scales
+            plain[name] = materialize(ScaledWeight(values, scales, (16, 16)))
+        else:
+            fp8[name] = plain[name] = tensor
+    shutil.copytree(path, tmp_path / "dequantized")
+    save_file(plain, str(tmp_path / "dequantized" / "model.safetensors"))
+    save_file(fp8, str(path / "model.safetensors"))
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "weight_block_size": [16, 16]}
+    (path / "config.json").write_text(json.dumps(config))
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "dequantized", dtype=torch.float32).eval()
+    runner = make_runner(path, num_blocks=64, block_size=4)
+    ours, theirs = runner.model.model.layers[1].self_attn.indexer, reference.model.layers[1].self_attn.indexer
+    assert not torch.equal(theirs.wk.weight, state["model.layers.1.self_attn.indexer.wk.weight"])
+    torch.testing.assert_close(ours.wk.weight, theirs.wk.weight)
+    torch.testing.assert_close(ours.wq_b.weight, theirs.wq_b.weight)
+    _greedy_as_the_reference(path, reference, runner)
 
 
 def _save_compressed(path, preset: str) -> None:

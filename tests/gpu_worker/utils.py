@@ -29,6 +29,7 @@ from transformers import (
     DbrxConfig,
     DeepseekV2Config,
     DeepseekV3Config,
+    DeepseekV32Config,
     Dots1Config,
     Ernie4_5_MoeConfig,
     Ernie4_5Config,
@@ -573,6 +574,16 @@ def make_config(kind: str = "llama", **overrides):
                                    "topk_group": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
                                    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw,
                                    "num_key_value_heads": kw["num_attention_heads"]})  # (MLA: as many)
+    # DeepSeek-V3.2: deepseek_v3's layers whose attention is DSA: an indexer of 16 heads of 16 values (8
+    # rotated) picks the 6 best keys a query past its sixth token attends to.
+    if kind == "deepseek_v32":
+        return DeepseekV32Config(**{"q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+                                    "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8,
+                                    "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_group": 2,
+                                    "topk_group": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
+                                    "index_n_heads": 16, "index_head_dim": 16, "index_topk": 6,
+                                    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw,
+                                    "num_key_value_heads": kw["num_attention_heads"]})  # (MLA: as many)
     # nanochat: weightless norms (one over the embeddings too), relu^2 fc1/fc2, RoPE turning the other way,
     # q/k normed after it, logits capped at 15 (the logits here reach beyond it).
     if kind == "nanochat":

@@ -1,0 +1,167 @@
+"""DeepSeek-V3.2 (DeepseekV32ForCausalLM: DeepSeek-V3.2-Exp, -V3.2, -V3.2-Speciale): DeepSeek-V3's layers
+whose latent attention is DeepSeek Sparse Attention (DSA). Each layer's "lightning indexer" scores every
+earlier key for each query, and the query attends to the ``index_topk`` keys scoring best (2048 as
+released) rather than to all of them.
+
+The indexer (checkpoint ``self_attn.indexer.*``, whole on every tensor-parallel rank as vLLM keeps it):
+``index_n_heads`` query heads of ``index_head_dim`` values from the query bottleneck (``wq_b`` on the
+normed ``q_a_proj`` output the attention's own queries start from), one key per token (``wk``, then a
+LayerNorm with a bias), the first ``qk_rope_head_dim`` values of each rotated with the layer's RoPE
+(in halves, as Llama's: the indexer's are not in pairs as the attention's are), and a weight per head
+and token (``weights_proj``). A key's score is sum_h w_h * relu(q_h . k * index_head_dim^-0.5) *
+index_n_heads^-0.5, in fp32. DeepSeek's own kernels rotate both by a Hadamard matrix and round them to
+fp8 first: the rotation leaves dot products unchanged, and fp8 is their precision trade (transformers
+and this engine score in fp32 from the model's dtype).
+
+Where the keys live: each token's indexer key is stored in the cache row after its latent and rotary
+key (the row is kv_lora_rank + qk_rope_head_dim + index_head_dim wide), so the paged cache, the prefix
+cache, chunked prefill, preemption, KV offloading and P/D transfers carry it unchanged. The attention's
+queries are zero over those values, so dense attention over the rows is MLA's own.
+
+How a query attends: a query that sees at most ``index_topk`` keys attends to all of them (its top k
+is every key it sees), so it takes the paged attention path of every layer, the indexer unused. The
+queries that see more (their position at or past ``index_topk``) score their keys, keep the top k and
+attend to those alone, in fp32 softmax, in tiles of bounded size: plain PyTorch gathers (no FlashMLA
+sparse kernel here), so long contexts cost the indexer's full scoring per query and layer, as they do
+in DeepSeek's design, plus a copy of the chosen rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gpu_worker.attn_metadata import AttentionMetadata
+from gpu_worker.config import ModelConfig
+from gpu_worker.layers.attention import eager_attention, gather_kv
+from gpu_worker.layers.layernorm import LayerNorm, RMSNorm
+from gpu_worker.layers.rotary import RotaryEmbedding
+from gpu_worker.models.deepseek import DeepseekDecoderLayer, DeepseekV3ForCausalLM, MLAAttention
+from gpu_worker.models.llama import LlamaModel
+
+# The values one tile of the sparse path holds at once (index scores, chosen rows, attention scores):
+# 2^24 of each (64 MiB in fp32).
+_VALUES_PER_TILE = 1 << 24
+
+
+class LightningIndexer(nn.Module):
+    """DSA's indexer: per token, its queries (from the attention's normed query bottleneck), its key and
+    its heads' weights."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = config.index_n_heads, config.index_head_dim
+        self.wq_b = nn.Linear(config.q_lora_rank, self.num_heads * self.head_dim, bias=False).requires_grad_(False)
+        self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False).requires_grad_(False)
+        self.k_norm = LayerNorm(self.head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False).requires_grad_(False)
+        # Both scales fold into the heads' weights: relu(a * s) = s * relu(a) for s > 0.
+        self.weight_scale = self.num_heads ** -0.5 * self.head_dim ** -0.5
+
+    def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, q_resid: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated queries [T, heads, head_dim] and keys [T, 1, head_dim] in the model's dtype, and the
+        heads' weights [T, heads] in fp32 (both scales folded in)."""
+        num_tokens = hidden.shape[0]
+        q = self.wq_b.forward(q_resid).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_norm.forward(self.wk.forward(hidden)).view(num_tokens, 1, self.head_dim)
+        RotaryEmbedding.rotate_(q, rope[0], rope[1])
+        RotaryEmbedding.rotate_(k, rope[0], rope[1])
+        weights = self.weights_proj.forward(hidden).float().mul_(self.weight_scale)
+        return q, k, weights
+
+
+class SparseMLAAttention(MLAAttention):
+    """MLA whose queries past ``index_topk`` keys attend to the keys its indexer picks."""
+
+    def __init__(self, config: ModelConfig, layer: int = 0, norm_class: type[RMSNorm] = RMSNorm) -> None:
+        super().__init__(config, layer, norm_class)
+        self.indexer = LightningIndexer(config)
+        self.index_topk = config.index_topk
+        # The cache row: [latent, rotary key, indexer key].
+        self.latent_width = self.kv_lora + self.rope
+
+    def attend(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, q_resid: torch.Tensor | None,
+               query: torch.Tensor, key: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        assert q_resid is not None  # (ModelConfig requires DSA's query bottleneck)
+        index_q, index_k, weights = self.indexer.forward(rope, hidden, q_resid)
+        num_tokens, heads, width = query.shape[0], self.num_heads, self.attn.head_dim
+        padded = query.new_zeros(num_tokens, heads, width)
+        padded[..., : self.latent_width] = query
+        # Every query attends densely here (the indexer's keys written with the latents); those that
+        # see more than index_topk keys are then recomputed over their chosen keys.
+        row = torch.cat((key, index_k), dim=-1)
+        out = self.attn.forward(padded, row, row, meta).view(num_tokens, heads, width)
+        self._sparse_rows(padded, index_q.float(), weights, meta, out)
+        return out.view(num_tokens, heads * width)
+
+    def _sparse_rows(self, query: torch.Tensor, index_q: torch.Tensor, weights: torch.Tensor,
+                     meta: AttentionMetadata, out: torch.Tensor) -> None:
+        """Overwrite ``out``'s rows of the queries that see more than index_topk keys with their
+        attention over the keys the indexer picks."""
+        assert self.attn.kv_cache is not None
+        cache, topk, dtype = self.attn.kv_cache[0], self.index_topk, query.dtype
+        nd = meta.num_decodes
+        if nd and meta.decode_max_seq_len > topk:
+            if meta.decode_seq_lens is not None:
+                counts = meta.decode_seq_lens
+            elif meta.decode_mask is None:
+                counts = torch.full((nd,), meta.decode_max_seq_len, device=query.device)
+            else:
+                counts = meta.decode_mask.view(nd, -1).sum(-1)
+            # Each decode row reads its own blocks (a tile of rows at a time).
+            num_keys = meta.decode_max_seq_len
+            rows = max(1, _VALUES_PER_TILE // (num_keys * max(self.attn.head_dim, self.indexer.num_heads)))
+            for start in range(0, nd, rows):
+                end = min(nd, start + rows)
+                keys = gather_kv(cache, meta.decode_block_table[start:end], num_keys, dtype)[:, 0]
+                out[start:end] = self._attend_chosen(query[start:end], index_q[start:end], weights[start:end],
+                                                     keys, counts[start:end])
+        for span in meta.prefills:
+            num_keys, qlen = span.num_keys, span.token_end - span.token_start
+            # Query j of the chunk sees num_keys - qlen + j + 1 keys: the first past index_topk is j0.
+            j0 = max(0, topk - (num_keys - qlen))
+            if j0 >= qlen:
+                continue
+            keys = gather_kv(cache, span.block_ids, num_keys, dtype)  # [1, N, width]: one KV head
+            rows = max(1, _VALUES_PER_TILE // max(num_keys * self.indexer.num_heads,
+                                                  topk * max(self.attn.head_dim, self.num_heads)))
+            for j in range(j0, qlen, rows):
+                k = min(qlen, j + rows)
+                first = span.token_start + j
+                counts = torch.arange(num_keys - qlen + j + 1, num_keys - qlen + k + 1, device=query.device)
+                out[first: first + k - j] = self._attend_chosen(query[first: first + k - j],
+                                                                index_q[first: first + k - j],
+                                                                weights[first: first + k - j], keys, counts)
+
+    def _attend_chosen(self, query: torch.Tensor, index_q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+                       counts: torch.Tensor) -> torch.Tensor:
+        """R rows: ``query`` [R, heads, width], ``index_q`` [R, index heads, index dim] fp32, ``weights``
+        [R, index heads] fp32, ``keys`` [R or 1, N, width] the cache rows they may read, of which row r
+        sees the first ``counts[r]``. Returns [R, heads, width]: each row's attention over its top
+        index_topk keys by the indexer's score."""
+        num_rows, num_keys = query.shape[0], keys.shape[-2]
+        index_keys = keys[..., self.latent_width:].float()
+        scores = torch.matmul(index_q, index_keys.transpose(-1, -2)).relu_()  # [R, index heads, N]
+        index = torch.matmul(weights.unsqueeze(1), scores).squeeze(1)  # [R, N]
+        seen = torch.arange(num_keys, device=query.device)[None, :] < counts[:, None]
+        index.masked_fill_(~seen, float("-inf"))
+        best, chosen = index.topk(min(self.index_topk, num_keys), dim=-1)  # [R, k]
+        rows = torch.gather(keys.expand(num_rows, -1, -1), 1,
+                            chosen.unsqueeze(-1).expand(-1, -1, keys.shape[-1]))  # [R, k, width]
+        # (A row seeing fewer than k keys keeps all of them; the -inf picks beside them are masked.)
+        mask = (best > float("-inf")).view(num_rows, 1, 1, -1)
+        out = eager_attention(query.unsqueeze(1), rows.unsqueeze(1), rows.unsqueeze(1), mask, self.attn.scale)
+        return out[:, 0]
+
+
+class DeepseekV32DecoderLayer(DeepseekDecoderLayer):
+    attention_class = SparseMLAAttention  # type: ignore[assignment]
+
+
+class DeepseekV32Model(LlamaModel):
+    layer_class = DeepseekV32DecoderLayer
+
+
+class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
+    model_class = DeepseekV32Model
