@@ -107,7 +107,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "HyperCLOVAXForCausalLM", "AXK1ForCausalLM", "NanoChatForCausalLM",
                            "Kolibri1ForCausalLM", "FlintForCausalLM", "BeamForCausalLM", "BitNetForCausalLM",
                            "JetMoeForCausalLM", "LongcatFlashForCausalLM", "BioGptForCausalLM", "XGLMForCausalLM",
-                           "ModernBertDecoderForCausalLM", "DeepseekV32ForCausalLM")
+                           "ModernBertDecoderForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -133,20 +133,21 @@ GRANITE_SWA_ARCHITECTURES = ("GraniteSWAForCausalLM", "GraniteMoeSWAForCausalLM"
 # Multi-head latent attention (MLA): DeepSeek-V2 / V3 (and Kimi K2, DeepSeek-R1: V3's architecture), and
 # DeepSeek-V3.2 (V3's layers whose attention reads the keys its indexer picks: DeepSeek Sparse Attention).
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
-# DeepSeek Sparse Attention's architectures, and transformers' defaults of their indexer:
-# (index_n_heads, index_head_dim, index_topk).
-_DSA_DEFAULTS = {"DeepseekV32ForCausalLM": (64, 128, 2048)}
+# DeepSeek Sparse Attention's architectures (DeepSeek-V3.2's, and GLM-5's: GlmMoeDsaForCausalLM), and
+# transformers' defaults of their indexer: (index_n_heads, index_head_dim, index_topk).
+_DSA_DEFAULTS = {"DeepseekV32ForCausalLM": (64, 128, 2048), "GlmMoeDsaForCausalLM": (32, 128, 2048)}
 # MLA's models: DeepSeek's, MiniCPM3 (MLA with RoPE in halves, dense MLPs, muP-style scalings) and
 # GLM-4.7-Flash (Glm4MoeLiteForCausalLM: DeepSeek-V3's attention with GLM-4.5's experts).
 MLA_ARCHITECTURES = (*DEEPSEEK_ARCHITECTURES, "MiniCPM3ForCausalLM", "Glm4MoeLiteForCausalLM", "YoutuForCausalLM",
-                     "AXK1ForCausalLM", "LongcatFlashForCausalLM")
+                     "AXK1ForCausalLM", "LongcatFlashForCausalLM", "GlmMoeDsaForCausalLM")
 # transformers' defaults of each: (qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank, q_lora_rank,
 # v_head_dim; None: hidden_size / num_attention_heads).
 _MLA_DEFAULTS = {"DeepseekV2ForCausalLM": (128, 64, 512, 1536, 128), "DeepseekV3ForCausalLM": (128, 64, 512, 1536, 128),
                  "DeepseekV32ForCausalLM": (128, 64, 512, 1536, 128),
                  "MiniCPM3ForCausalLM": (64, 32, 256, 768, None), "Glm4MoeLiteForCausalLM": (192, 64, 512, 768, 256),
                  "YoutuForCausalLM": (128, 64, 512, 1536, 128), "AXK1ForCausalLM": (128, 64, 512, 1536, 128),
-                 "LongcatFlashForCausalLM": (128, 64, 512, 1536, 128)}
+                 "LongcatFlashForCausalLM": (128, 64, 512, 1536, 128),
+                 "GlmMoeDsaForCausalLM": (192, 64, 512, 2048, 256)}
 # transformers' GptOssConfig defaults for the keys a GPT-OSS config may leave out (gpt-oss-20b's and
 # -120b's configs state them, but for swiglu_alpha; the experts' are _moe_from_dict's).
 GPT_OSS_DEFAULTS = {"head_dim": 64, "sliding_window": 128, "attention_bias": True, "rms_norm_eps": 1e-5,
@@ -191,6 +192,11 @@ YOUTU_DEFAULTS = {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size"
 AXK1_DEFAULTS = {"vocab_size": 163840, "hidden_size": 7168, "intermediate_size": 18432, "num_hidden_layers": 61,
                  "num_attention_heads": 64, "num_key_value_heads": 64, "max_position_embeddings": 32768,
                  "rms_norm_eps": 1e-6, "bos_token_id": 163691, "eos_token_id": 163691}
+# transformers' GlmMoeDsaConfig defaults (GLM-5's; its experts' are _moe_from_dict's, its latent
+# attention's _mla_fields', its indexer's _dsa_fields').
+GLM_MOE_DSA_DEFAULTS = {"vocab_size": 154880, "hidden_size": 6144, "intermediate_size": 12288, "num_hidden_layers": 78,
+                        "num_attention_heads": 64, "num_key_value_heads": 64, "max_position_embeddings": 202752,
+                        "rms_norm_eps": 1e-5, "bos_token_id": 0, "eos_token_id": 1}
 # transformers' NanoChatConfig defaults (a null kept: a null final_logit_softcapping is no cap).
 NANOCHAT_DEFAULTS = {"vocab_size": 50304, "hidden_size": 768, "intermediate_size": 8192, "num_hidden_layers": 12,
                      "num_attention_heads": 6, "max_position_embeddings": 2048, "hidden_act": "relu2",
@@ -245,7 +251,7 @@ NULL_KEEPING_DEFAULTS = {"MiniCPM3ForCausalLM": MINICPM3_DEFAULTS, "Glm4MoeLiteF
                          "MellumForCausalLM": MELLUM_DEFAULTS, "MiMoV2FlashForCausalLM": MIMO_V2_FLASH_DEFAULTS,
                          "AXK1ForCausalLM": AXK1_DEFAULTS, "NanoChatForCausalLM": NANOCHAT_DEFAULTS,
                          "Kolibri1ForCausalLM": KOLIBRI1_DEFAULTS, "FlintForCausalLM": FLINT_DEFAULTS,
-                         "BeamForCausalLM": BEAM_DEFAULTS,
+                         "BeamForCausalLM": BEAM_DEFAULTS, "GlmMoeDsaForCausalLM": GLM_MOE_DSA_DEFAULTS,
                          **GRANITE_SWA_DEFAULTS}
 # Another spelling of an architecture's name in released configs, read as transformers reads it.
 ARCHITECTURE_SPELLINGS = {"MiniCPM5MoEForCausalLM": "MiniCPM5MoeForCausalLM",
@@ -2356,9 +2362,11 @@ def _mla_fields(arch: str, cfg: dict[str, Any], scaling: dict[str, Any] | None) 
 
 
 def _dsa_fields(arch: str, cfg: dict[str, Any], rope: int) -> dict[str, Any]:
-    """DeepSeek Sparse Attention's indexer (DeepSeek-V3.2): index_n_heads heads of index_head_dim values
-    (the first qk_rope_head_dim rotated) score every earlier key; each query attends to the index_topk
-    best. Not DSA: none."""
+    """DeepSeek Sparse Attention's indexer (DeepSeek-V3.2, GLM-5): index_n_heads heads of index_head_dim
+    values (the first qk_rope_head_dim rotated: GLM-5's in pairs) score every earlier key; each query
+    attends to the index_topk best. GLM-5's layers may share a choice (transformers' indexer_types:
+    "shared" layers reuse the last "full" layer's; from index_topk_pattern, or every index_topk_freq-th
+    layer from index_skip_topk_offset on running its own). Not DSA: none."""
     if arch not in _DSA_DEFAULTS:
         return {}
     heads_default, dim_default, topk_default = _DSA_DEFAULTS[arch]
@@ -2368,7 +2376,23 @@ def _dsa_fields(arch: str, cfg: dict[str, Any], rope: int) -> dict[str, Any]:
     if dim < rope or heads < 1 or topk < 1:
         raise ValueError(f"the indexer needs index_head_dim ({dim}) at least qk_rope_head_dim ({rope}), "
                          f"index_n_heads ({heads}) and index_topk ({topk}) at least 1")
-    return dict(index_n_heads=heads, index_head_dim=dim, index_topk=topk)
+    fields: dict[str, Any] = dict(index_n_heads=heads, index_head_dim=dim, index_topk=topk)
+    if arch == "GlmMoeDsaForCausalLM":
+        num_layers = int(cfg["num_hidden_layers"])
+        kinds = cfg.get("indexer_types")
+        pattern = cfg.get("index_topk_pattern")
+        if kinds is None and pattern is not None:
+            kinds = ([{"F": "full", "S": "shared"}.get(c, c) for c in pattern] if isinstance(pattern, str)
+                     else list(pattern))
+        if kinds is None:
+            every = max(int(cfg.get("index_topk_freq") or 1), 1)
+            offset = int(cfg.get("index_skip_topk_offset", 2) or 0)
+            kinds = ["full" if max(i - offset + 1, 0) % every == 0 else "shared" for i in range(num_layers)]
+        if len(kinds) != num_layers or not set(kinds) <= {"full", "shared"} or kinds[0] != "full":
+            raise ValueError(f"indexer_types must name 'full' or 'shared' for each of the {num_layers} layers, "
+                             f"the first 'full' (a shared layer reuses an earlier layer's choice), got {kinds}")
+        fields.update(index_rope_interleave=True, indexer_shared_layers=tuple(k == "shared" for k in kinds))
+    return fields
 
 
 def _dynamic_ntk_within_pretrained_length(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -2531,7 +2555,8 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
                     moe_activation="swigluoai", swiglu_alpha=float(cfg.get("swiglu_alpha") or 1.702),
                     swiglu_limit=float(cfg.get("swiglu_limit") or 7.0))
     if arch in ("Glm4MoeForCausalLM", *DEEPSEEK_ARCHITECTURES, "Dots1ForCausalLM", "MiniCPM5MoeForCausalLM",
-                "Glm4MoeLiteForCausalLM", "ExaoneMoeForCausalLM", "SolarOpenForCausalLM", "AXK1ForCausalLM"):
+                "Glm4MoeLiteForCausalLM", "ExaoneMoeForCausalLM", "SolarOpenForCausalLM", "AXK1ForCausalLM",
+                "GlmMoeDsaForCausalLM"):
         # Routed experts from layer first_k_dense_replace on (dense MLPs of intermediate_size below;
         # DeepSeek's every moe_layer_freq-th layer; MiniCPM5-MoE's and GLM-4.7-Flash's where
         # mlp_layer_types says "sparse"), beside n_shared_experts shared ones. GLM-4.5 and 4.7-Flash,
@@ -2549,6 +2574,7 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
                 raise ValueError(f"a Dots1ForCausalLM config must state {', '.join(unset)}")
         defaults = {"Glm4MoeForCausalLM": (128, 1408, 8, 1, 1.0), "DeepseekV2ForCausalLM": (64, 1407, 6, 0, 1.0),
                     "DeepseekV3ForCausalLM": (256, 2048, 8, 3, 2.5), "DeepseekV32ForCausalLM": (256, 2048, 8, 3, 2.5),
+                    "GlmMoeDsaForCausalLM": (256, 2048, 8, 3, 2.5),
                     "Dots1ForCausalLM": (0, 1408, 0, 0, 1.0),
                     "MiniCPM5MoeForCausalLM": (160, 512, 16, 1, 3.66),
                     "Glm4MoeLiteForCausalLM": (64, 1536, 4, 1, 1.8),
@@ -2584,7 +2610,7 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
         num_mtp = 0 if no_mtp else int(cfg.get("num_nextn_predict_layers") or 0)
         moe_layers = tuple(i >= first_moe and i % every == 0 for i in range(num_layers + num_mtp))
         if arch in ("MiniCPM5MoeForCausalLM", "Glm4MoeLiteForCausalLM", "ExaoneMoeForCausalLM", "AXK1ForCausalLM",
-                    "DeepseekV32ForCausalLM") and isinstance(cfg.get("mlp_layer_types"), list):
+                    *_DSA_DEFAULTS) and isinstance(cfg.get("mlp_layer_types"), list):
             kinds = cfg["mlp_layer_types"]
             if len(kinds) != num_layers or not set(kinds) <= {"dense", "sparse"}:
                 raise ValueError(f"mlp_layer_types must name 'dense' or 'sparse' for each of the {num_layers} "
@@ -3004,6 +3030,10 @@ class ModelConfig:
     index_n_heads: int = 0
     index_head_dim: int = 0
     index_topk: int = 0
+    # GLM-5: the indexer's rotary values are in pairs in the checkpoint (reordered into halves at load),
+    # and per layer whether it reuses the last indexing layer's choice (no indexer of its own).
+    index_rope_interleave: bool = False
+    indexer_shared_layers: tuple[bool, ...] = ()
     # Per layer, whether its MLP is the routed experts (empty: every layer's is, in an MoE model).
     # Qwen-MoE keeps dense MLPs in mlp_only_layers and off its decoder_sparse_step.
     moe_layers: tuple[bool, ...] = ()

@@ -1,7 +1,7 @@
-"""DeepSeek-V3.2 (DeepseekV32ForCausalLM: DeepSeek-V3.2-Exp, -V3.2, -V3.2-Speciale): DeepSeek-V3's layers
-whose latent attention is DeepSeek Sparse Attention (DSA). Each layer's "lightning indexer" scores every
-earlier key for each query, and the query attends to the ``index_topk`` keys scoring best (2048 as
-released) rather than to all of them.
+"""DeepSeek-V3.2 (DeepseekV32ForCausalLM: DeepSeek-V3.2-Exp, -V3.2, -V3.2-Speciale) and GLM-5
+(GlmMoeDsaForCausalLM): DeepSeek-V3's layers whose latent attention is DeepSeek Sparse Attention (DSA).
+Each layer's "lightning indexer" scores every earlier key for each query, and the query attends to the
+``index_topk`` keys scoring best (2048 as released) rather than to all of them.
 
 The indexer (checkpoint ``self_attn.indexer.*``, whole on every tensor-parallel rank as vLLM keeps it):
 ``index_n_heads`` query heads of ``index_head_dim`` values from the query bottleneck (``wq_b`` on the
@@ -24,9 +24,18 @@ queries that see more (their position at or past ``index_topk``) score their key
 attend to those alone, in fp32 softmax, in tiles of bounded size: plain PyTorch gathers (no FlashMLA
 sparse kernel here), so long contexts cost the indexer's full scoring per query and layer, as they do
 in DeepSeek's design, plus a copy of the chosen rows.
+
+GLM-5 differs in two ways: its indexer's rotary values are in pairs (their rows reordered into halves
+at load: the query projection's per head, the key projection's and its LayerNorm's, whose statistics
+no order changes), and its config may mark layers "shared": those have no indexer and attend to the
+keys the last indexing layer chose for the same query (the choices of a step kept on the model,
+``SharedTopk``; their cache rows' indexer values stay zero).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -35,13 +44,25 @@ from gpu_worker.attn_metadata import AttentionMetadata
 from gpu_worker.config import ModelConfig
 from gpu_worker.layers.attention import eager_attention, gather_kv
 from gpu_worker.layers.layernorm import LayerNorm, RMSNorm
-from gpu_worker.layers.rotary import RotaryEmbedding
+from gpu_worker.layers.rotary import RotaryEmbedding, pairs_to_halves_order
+from gpu_worker.layers.weight_utils import WeightLike, materialize
 from gpu_worker.models.deepseek import DeepseekDecoderLayer, DeepseekV3ForCausalLM, MLAAttention
 from gpu_worker.models.llama import LlamaModel
 
 # The values one tile of the sparse path holds at once (index scores, chosen rows, attention scores):
 # 2^24 of each (64 MiB in fp32).
 _VALUES_PER_TILE = 1 << 24
+
+
+@dataclass
+class SharedTopk:
+    """The last indexing layer's choices, for the layers sharing them (GLM-5): per token row of the
+    step, the index_topk key positions ([tokens, index_topk] int64, or more rows: the buffer is kept)
+    and which of them are keys it sees (bool). Only the rows that see more than index_topk keys (which
+    choose exactly index_topk) are written, and only they are read."""
+
+    chosen: torch.Tensor | None = None
+    seen: torch.Tensor | None = None
 
 
 class LightningIndexer(nn.Module):
@@ -76,31 +97,43 @@ class SparseMLAAttention(MLAAttention):
 
     def __init__(self, config: ModelConfig, layer: int = 0, norm_class: type[RMSNorm] = RMSNorm) -> None:
         super().__init__(config, layer, norm_class)
-        self.indexer = LightningIndexer(config)
-        self.index_topk = config.index_topk
+        shared = layer < len(config.indexer_shared_layers) and config.indexer_shared_layers[layer]
+        # (A layer sharing another's choice has no indexer: its rows' indexer values are zero.)
+        self.indexer = None if shared else LightningIndexer(config)
+        self.index_topk, self.index_dim = config.index_topk, config.index_head_dim
         # The cache row: [latent, rotary key, indexer key].
         self.latent_width = self.kv_lora + self.rope
+        # Where an indexing layer leaves its choices for the layers sharing them (set by the model
+        # when some layer shares; None: nobody reads them).
+        self.shared_topk: SharedTopk | None = None
 
     def attend(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, q_resid: torch.Tensor | None,
                query: torch.Tensor, key: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         assert q_resid is not None  # (ModelConfig requires DSA's query bottleneck)
-        index_q, index_k, weights = self.indexer.forward(rope, hidden, q_resid)
         num_tokens, heads, width = query.shape[0], self.num_heads, self.attn.head_dim
+        if self.indexer is None:
+            index_q = weights = None
+            index_k = key.new_zeros(num_tokens, 1, self.index_dim)
+        else:
+            index_q, index_k, weights = self.indexer.forward(rope, hidden, q_resid)
+            index_q = index_q.float()
         padded = query.new_zeros(num_tokens, heads, width)
         padded[..., : self.latent_width] = query
         # Every query attends densely here (the indexer's keys written with the latents); those that
         # see more than index_topk keys are then recomputed over their chosen keys.
         row = torch.cat((key, index_k), dim=-1)
         out = self.attn.forward(padded, row, row, meta).view(num_tokens, heads, width)
-        self._sparse_rows(padded, index_q.float(), weights, meta, out)
+        self._sparse_rows(padded, index_q, weights, meta, out)
         return out.view(num_tokens, heads * width)
 
-    def _sparse_rows(self, query: torch.Tensor, index_q: torch.Tensor, weights: torch.Tensor,
+    def _sparse_rows(self, query: torch.Tensor, index_q: torch.Tensor | None, weights: torch.Tensor | None,
                      meta: AttentionMetadata, out: torch.Tensor) -> None:
         """Overwrite ``out``'s rows of the queries that see more than index_topk keys with their
-        attention over the keys the indexer picks."""
+        attention over the keys the indexer picks (without an indexer: those the last indexing layer
+        picked)."""
         assert self.attn.kv_cache is not None
         cache, topk, dtype = self.attn.kv_cache[0], self.index_topk, query.dtype
+        index_heads = self.indexer.num_heads if self.indexer is not None else 1
         nd = meta.num_decodes
         if nd and meta.decode_max_seq_len > topk:
             if meta.decode_seq_lens is not None:
@@ -111,12 +144,11 @@ class SparseMLAAttention(MLAAttention):
                 counts = meta.decode_mask.view(nd, -1).sum(-1)
             # Each decode row reads its own blocks (a tile of rows at a time).
             num_keys = meta.decode_max_seq_len
-            rows = max(1, _VALUES_PER_TILE // (num_keys * max(self.attn.head_dim, self.indexer.num_heads)))
+            rows = max(1, _VALUES_PER_TILE // (num_keys * max(self.attn.head_dim, index_heads)))
             for start in range(0, nd, rows):
                 end = min(nd, start + rows)
                 keys = gather_kv(cache, meta.decode_block_table[start:end], num_keys, dtype)[:, 0]
-                out[start:end] = self._attend_chosen(query[start:end], index_q[start:end], weights[start:end],
-                                                     keys, counts[start:end])
+                out[start:end] = self._attend_chosen(query, index_q, weights, keys, counts[start:end], start)
         for span in meta.prefills:
             num_keys, qlen = span.num_keys, span.token_end - span.token_start
             # Query j of the chunk sees num_keys - qlen + j + 1 keys: the first past index_topk is j0.
@@ -124,34 +156,49 @@ class SparseMLAAttention(MLAAttention):
             if j0 >= qlen:
                 continue
             keys = gather_kv(cache, span.block_ids, num_keys, dtype)  # [1, N, width]: one KV head
-            rows = max(1, _VALUES_PER_TILE // max(num_keys * self.indexer.num_heads,
+            rows = max(1, _VALUES_PER_TILE // max(num_keys * index_heads,
                                                   topk * max(self.attn.head_dim, self.num_heads)))
             for j in range(j0, qlen, rows):
                 k = min(qlen, j + rows)
-                first = span.token_start + j
                 counts = torch.arange(num_keys - qlen + j + 1, num_keys - qlen + k + 1, device=query.device)
-                out[first: first + k - j] = self._attend_chosen(query[first: first + k - j],
-                                                                index_q[first: first + k - j],
-                                                                weights[first: first + k - j], keys, counts)
+                first = span.token_start + j
+                out[first: first + k - j] = self._attend_chosen(query, index_q, weights, keys, counts, first)
 
-    def _attend_chosen(self, query: torch.Tensor, index_q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
-                       counts: torch.Tensor) -> torch.Tensor:
-        """R rows: ``query`` [R, heads, width], ``index_q`` [R, index heads, index dim] fp32, ``weights``
-        [R, index heads] fp32, ``keys`` [R or 1, N, width] the cache rows they may read, of which row r
-        sees the first ``counts[r]``. Returns [R, heads, width]: each row's attention over its top
-        index_topk keys by the indexer's score."""
-        num_rows, num_keys = query.shape[0], keys.shape[-2]
-        index_keys = keys[..., self.latent_width:].float()
-        scores = torch.matmul(index_q, index_keys.transpose(-1, -2)).relu_()  # [R, index heads, N]
-        index = torch.matmul(weights.unsqueeze(1), scores).squeeze(1)  # [R, N]
-        seen = torch.arange(num_keys, device=query.device)[None, :] < counts[:, None]
-        index.masked_fill_(~seen, float("-inf"))
-        best, chosen = index.topk(min(self.index_topk, num_keys), dim=-1)  # [R, k]
+    def _attend_chosen(self, query: torch.Tensor, index_q: torch.Tensor | None, weights: torch.Tensor | None,
+                       keys: torch.Tensor, counts: torch.Tensor, first: int) -> torch.Tensor:
+        """The R = len(counts) token rows from ``first``: of ``query`` [T, heads, width], ``index_q`` [T,
+        index heads, index dim] fp32 and ``weights`` [T, index heads] fp32 (None: the shared choices),
+        over ``keys`` [R or 1, N, width] the cache rows they may read, of which row r sees the first
+        ``counts[r]``. Returns [R, heads, width]: each row's attention over the index_topk keys its
+        indexer scores best (a row seeing fewer keeps them all)."""
+        num_rows, num_keys = counts.shape[0], keys.shape[-2]
+        last = first + num_rows
+        if index_q is None or weights is None:
+            assert self.shared_topk is not None and self.shared_topk.chosen is not None \
+                and self.shared_topk.seen is not None
+            chosen, seen = self.shared_topk.chosen[first:last], self.shared_topk.seen[first:last]
+        else:
+            index_keys = keys[..., self.latent_width:].float()
+            scores = torch.matmul(index_q[first:last], index_keys.transpose(-1, -2)).relu_()  # [R, index heads, N]
+            index = torch.matmul(weights[first:last].unsqueeze(1), scores).squeeze(1)  # [R, N]
+            visible = torch.arange(num_keys, device=query.device)[None, :] < counts[:, None]
+            index.masked_fill_(~visible, float("-inf"))
+            best, chosen = index.topk(min(self.index_topk, num_keys), dim=-1)  # [R, k]
+            # (A row seeing fewer than k keys keeps all of them; the -inf picks beside them are masked.)
+            seen = best > float("-inf")
+            shared = self.shared_topk
+            if shared is not None:  # (for the layers sharing this choice: rows past index_topk keys choose k)
+                if shared.chosen is None or shared.chosen.shape[0] < query.shape[0]:
+                    # (kept across steps: a sharing layer reads only rows its indexing layer wrote this step)
+                    shared.chosen = query.new_empty(query.shape[0], self.index_topk, dtype=torch.int64)
+                    shared.seen = query.new_empty(query.shape[0], self.index_topk, dtype=torch.bool)
+                assert shared.seen is not None
+                shared.chosen[first:last] = chosen
+                shared.seen[first:last] = seen
         rows = torch.gather(keys.expand(num_rows, -1, -1), 1,
                             chosen.unsqueeze(-1).expand(-1, -1, keys.shape[-1]))  # [R, k, width]
-        # (A row seeing fewer than k keys keeps all of them; the -inf picks beside them are masked.)
-        mask = (best > float("-inf")).view(num_rows, 1, 1, -1)
-        out = eager_attention(query.unsqueeze(1), rows.unsqueeze(1), rows.unsqueeze(1), mask, self.attn.scale)
+        out = eager_attention(query[first:last].unsqueeze(1), rows.unsqueeze(1), rows.unsqueeze(1),
+                              seen.view(num_rows, 1, 1, -1), self.attn.scale)
         return out[:, 0]
 
 
@@ -165,3 +212,41 @@ class DeepseekV32Model(LlamaModel):
 
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
     model_class = DeepseekV32Model
+
+
+class GlmMoeDsaModel(DeepseekV32Model):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        if any(config.indexer_shared_layers):
+            if config.indexer_shared_layers[self.stage.start]:
+                raise ValueError(f"pipeline stage of layers {self.stage.start}..{self.stage.end - 1} starts with a "
+                                 f"layer sharing an earlier layer's top-k keys (indexer_types 'shared'), which "
+                                 f"another stage chooses: split the layers at an indexing ('full') layer")
+            shared = SharedTopk()
+            for layer in self.layers[self.stage.start:self.stage.end]:
+                layer.self_attn.shared_topk = shared
+
+
+class GlmMoeDsaForCausalLM(DeepseekV32ForCausalLM):
+    """GLM-5 (zai-org's GLM-5 and its FP8 release): DeepSeek-V3.2's layers (GLM's widths: heads of 192 + 64
+    query/key values and 256 value values, a 2048-value query bottleneck, experts in one group), its
+    indexer's rotary values in pairs, layers that may share an indexing layer's choice."""
+
+    model_class = GlmMoeDsaModel
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
+        """(Besides the attention's rows, DeepSeek's) the indexer's rotary rows from pairs into halves: each
+        query head's, the key's, and its LayerNorm's weight and bias alike."""
+        config = self.config
+        rope, dim = config.qk_rope_head_dim, config.index_head_dim
+        order = pairs_to_halves_order(rope)
+        for name, tensor in super().checkpoint_tensors(weights):
+            if not config.index_rope_interleave or ".self_attn.indexer." not in name \
+                    or name.endswith("weights_proj.weight") or (self.pp_missing_prefixes
+                                                                and name.startswith(self.pp_missing_prefixes)):
+                yield name, tensor
+                continue
+            rows = materialize(tensor)
+            per_head = rows.reshape(-1, dim, *rows.shape[1:])
+            yield name, torch.cat((per_head[:, :rope].index_select(1, order), per_head[:, rope:]), dim=1
+                                  ).reshape(rows.shape)

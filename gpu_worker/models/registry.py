@@ -34,7 +34,7 @@ from gpu_worker.models.deepseek import (
     MiniCPM3ForCausalLM,
     YoutuForCausalLM,
 )
-from gpu_worker.models.deepseek_v32 import DeepseekV32ForCausalLM
+from gpu_worker.models.deepseek_v32 import DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM
 from gpu_worker.models.eagle import EAGLE_HEADS
 from gpu_worker.models.exaone import ExaoneForCausalLM
 from gpu_worker.models.falcon import FalconForCausalLM
@@ -165,6 +165,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
+    "GlmMoeDsaForCausalLM": GlmMoeDsaForCausalLM,
     "MiniCPM3ForCausalLM": MiniCPM3ForCausalLM,
     "Glm4MoeLiteForCausalLM": Glm4MoeLiteForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,

@@ -27,7 +27,8 @@ KINDS = ["llama", "qwen2", "qwen3", "phi3", "mistral", "mixtral", "qwen2_moe", "
          "jais2", "solar_open", "youtu", "afmoe", "laguna", "mellum", "hy_v3",
          "mimo_v2_flash", "granite_swa", "granitemoe_swa", "cohere2_moe", "gpt_neo", "codegen",
          "hyperclovax", "axk1", "nanochat", "kolibri1", "flint", "beam", "bitnet",
-         "jetmoe", "longcat_flash", "biogpt", "xglm", "modernbert_decoder", "deepseek_v32"]
+         "jetmoe", "longcat_flash", "biogpt", "xglm", "modernbert_decoder", "deepseek_v32",
+         "glm_moe_dsa"]
 # (Mistral's window of 8 keys is crossed by most prompts; Gemma 3 alternates windowed and full layers.)
 OVERRIDES = {"mistral": {"sliding_window": 8}, "cohere": {"use_qk_norm": True},
              "stablelm": {"use_parallel_residual": True, "qk_layernorm": True},
@@ -107,7 +108,7 @@ def test_gemma4s_caches_of_two_geometries_go_to_the_host_tier_and_back(tmp_path)
     assert again[0].num_cached_tokens >= 32 and stats.kv_offload_loaded_blocks >= 8
 
 
-@pytest.mark.parametrize("kind", ["gemma3n", "gemma4", "deepseek_v32"])
+@pytest.mark.parametrize("kind", ["gemma3n", "gemma4", "deepseek_v32", "glm_moe_dsa"])
 def test_layers_reading_the_cache_their_own_way_verify_ngram_drafts_as_transformers_answers(tmp_path, kind):
     """Gemma 3n's and Gemma 4's KV-sharing layers attend over their sources' caches, and DeepSeek-V3.2's
     queries past index_topk keys over the keys their indexer picks, with several query rows a request (the
@@ -191,7 +192,7 @@ def test_bf16_logprobs_are_transformers_fp32_ones_within_bf16_precision(tmp_path
                                     "jamba", "llama4", "dots1", "phimoe", "dbrx", "glm4_moe_lite", "gemma4",
                                     "solar_open", "afmoe", "laguna", "mellum", "hy_v3", "axk1", "kolibri1", "flint",
                                     "beam", "jetmoe", "longcat_flash", "mimo_v2_flash", "granitemoe_swa", "cohere2_moe",
-                                    "deepseek_v32")
+                                    "deepseek_v32", "glm_moe_dsa")
     hf_bf16 = load_hf(path).to(torch.bfloat16) if moe else None
     errors, hf_bf16_errors = [], []
     for prompt, out in zip(PROMPTS, outputs, strict=True):

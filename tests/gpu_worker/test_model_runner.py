@@ -120,11 +120,12 @@ def test_the_gather_path_takes_attention_outputs_laid_out_as_cuda_kernels_give_t
     ("longcat_flash", {"num_hidden_layers": 4}),
     ("modernbert_decoder", {}),
     ("deepseek_v32", {}),
+    ("glm_moe_dsa", {"num_hidden_layers": 3}),
 ], ids=["qwen3", "mixtral", "qwen2_moe_shared_expert_dense_layer", "qwen3_moe", "gemma", "gemma2_capped",
         "gemma3", "gpt_oss", "glm4_moe", "deepseek_v3", "deepseek_v2", "minicpm3", "minicpm5_moe", "glm4_moe_lite",
         "exaone_moe", "gemma3n", "gemma4", "solar_open", "youtu", "afmoe", "laguna",
         "mellum", "mimo_v2_flash", "kolibri1", "flint", "nanochat", "beam", "jetmoe", "longcat_flash",
-        "modernbert_decoder", "deepseek_v32"])
+        "modernbert_decoder", "deepseek_v32", "glm_moe_dsa"])
 def test_other_architectures_greedy_match_hf(tmp_path, kind, overrides, decode_in_place):
     """Qwen3's per-head q/k norms and own head_dim (32 here; hidden / heads is 16), routed experts,
     and Gemma's (soft caps binding in every attention call, windowed layers beside full ones, Gemma

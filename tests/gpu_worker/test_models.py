@@ -256,6 +256,10 @@ CASES = {
         "index_n_heads": 4, "index_head_dim": 32, "index_topk": 11, "q_lora_rank": 48, "rope_parameters": {
             "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "mscale": 0.7,
             "mscale_all_dim": 0.7, "beta_fast": 32, "beta_slow": 1, "rope_theta": 10000.0}}),
+    # GLM-5: its indexer rotating in pairs, the second and fourth layers sharing the first's and third's choice.
+    "glm_moe_dsa": ("glm_moe_dsa", {"num_hidden_layers": 4}),
+    "glm_moe_dsa_pattern_every_layer_indexing": ("glm_moe_dsa", {"num_hidden_layers": 3, "index_topk_pattern": "FFF",
+                                                                  "index_topk": 9}),
     "deepseek_v3_yarn_not_interleaved": ("deepseek_v3", {"rope_interleave": False, "rope_parameters": {
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}}),
@@ -748,7 +752,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "Kolibri1ForCausalLM", "FlintForCausalLM", "BeamForCausalLM",
                                    "BitNetForCausalLM", "JetMoeForCausalLM", "LongcatFlashForCausalLM",
                                    "BioGptForCausalLM", "XGLMForCausalLM", "ModernBertDecoderForCausalLM",
-                                   "DeepseekV32ForCausalLM", "BertModel",
+                                   "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "BertModel",
                                    "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
     assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES) | set(ENCODER_ARCHITECTURES.values())
@@ -1855,6 +1859,35 @@ def test_deepseek_v32_config_as_released():
         ModelConfig.from_dict({**released, "q_lora_rank": None})
     with pytest.raises(ValueError, match="index_head_dim"):
         ModelConfig.from_dict({**released, "index_head_dim": 32})
+
+
+def test_glm_moe_dsa_config_as_released():
+    """GLM-5's config as transformers' GlmMoeDsaConfig describes it: DeepSeek-V3.2's layers with heads of 192
+    + 64 query/key values and 256 value values, a 2048-value query bottleneck, 256 experts in one group
+    after three dense layers, an indexer of 32 heads of 128 values keeping 2048 keys, every layer indexing;
+    shared layers from index_topk_freq / index_skip_topk_offset, an "F"/"S" pattern or indexer_types; a
+    first shared layer refused."""
+    released = {"architectures": ["GlmMoeDsaForCausalLM"]}
+    config = ModelConfig.from_dict(released)
+    assert (config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim, config.q_lora_rank,
+            config.kv_lora_rank) == (192, 64, 256, 2048, 512) and config.rope_interleave
+    assert (config.index_n_heads, config.index_head_dim, config.index_topk) == (32, 128, 2048)
+    assert config.head_dim == 512 + 64 + 128 and config.index_rope_interleave
+    assert config.indexer_shared_layers == (False,) * 78
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_num_groups, config.routed_scaling_factor) == (
+        256, 8, 1, 2.5)
+    assert [config.layer_is_moe(i) for i in (2, 3)] == [False, True] and config.moe_scoring == "sigmoid"
+    assert (config.vocab_size, config.hidden_size, config.max_context_len, config.rms_norm_eps) == (
+        154880, 6144, 202752, 1e-5)
+    small = {**released, "num_hidden_layers": 6}
+    every_other = ModelConfig.from_dict({**small, "index_topk_freq": 2})
+    assert every_other.indexer_shared_layers == (False, False, True, False, True, False)
+    assert ModelConfig.from_dict({**small, "index_topk_pattern": "FSSFSF"}).indexer_shared_layers == (
+        False, True, True, False, True, False)
+    stated = ModelConfig.from_dict({**small, "indexer_types": ["full", "shared"] * 3})
+    assert stated.indexer_shared_layers == (False, True) * 3
+    with pytest.raises(ValueError, match="the first 'full'"):
+        ModelConfig.from_dict({**small, "indexer_types": ["shared", "full"] * 3})
 
 
 def test_logit_soft_caps_are_computed_in_fp32_for_a_bf16_model(tmp_path):

@@ -398,3 +398,18 @@ def test_gemma3s_vision_language_checkpoint_serves_its_language_model_in_stages(
         load_weights(model, iter_safetensors(model_dir))  # (raises on a tensor it cannot place or one it lacks)
         assert not any(name.startswith(("vision_tower.", "multi_modal_projector.")) for name, _ in
                        model.named_parameters())
+
+
+def test_glm5s_stages_each_start_at_a_layer_choosing_its_own_keys(tmp_path, stage):
+    """GLM-5's layers that share an earlier layer's choice of keys cannot start a stage (the choice is
+    made on another): four layers (full, shared, full, shared) split 2 + 2 build, 1 + 3 is refused."""
+    from tests.gpu_worker.utils import save_tiny_model
+
+    config = ModelConfig.from_pretrained(save_tiny_model(tmp_path, "glm_moe_dsa", num_hidden_layers=4))
+    assert config.indexer_shared_layers == (False, True, False, True)
+    for pp_rank in range(2):
+        stage(pp_rank, 2)
+        build_model(config)
+    distributed._group = distributed.TPGroup(pp_rank=1, pp_size=2, layer_partition=(1, 3))
+    with pytest.raises(ValueError, match=r"stage of layers 1\.\.3 starts with a layer sharing"):
+        build_model(config)

@@ -147,6 +147,7 @@ def _drive(workers_execute, prompts: dict[str, list[int]], num_blocks: int, spec
     ("xglm", {}, False),
     ("modernbert_decoder", {}, False),
     ("deepseek_v32", {}, True),
+    ("glm_moe_dsa", {"num_hidden_layers": 3}, True),
 ], ids=["llama", "qwen2_moe", "qwen2_moe_expert_parallel", "gemma2", "gpt_oss", "gpt_oss_expert_parallel", "olmo2",
         "glm4_moe", "glm4_moe_expert_parallel", "deepseek_v3", "deepseek_v2_expert_parallel", "olmoe_expert_parallel",
         "granitemoe_expert_parallel", "minimax_m2", "cohere_qk_norm", "glm4", "exaone4",
@@ -163,7 +164,8 @@ def _drive(workers_execute, prompts: dict[str, list[int]], num_blocks: int, spec
         "gpt_neo", "codegen", "hyperclovax", "axk1_expert_parallel", "nanochat",
         "kolibri1_expert_parallel", "flint_expert_parallel", "beam_expert_parallel",
         "jetmoe", "jetmoe_expert_parallel", "longcat_flash_expert_parallel",
-        "biogpt", "xglm", "modernbert_decoder", "deepseek_v32_expert_parallel"])
+        "biogpt", "xglm", "modernbert_decoder", "deepseek_v32_expert_parallel",
+        "glm_moe_dsa_expert_parallel"])
 def test_tp2_over_gloo_equals_tp1(tmp_path, kind, overrides, expert_parallel, ray_cluster):
     """Qwen2-MoE: each rank holds half of every expert (or, with expert parallelism, half of the
     experts whole) and half of the shared expert; one all-reduce per layer sums their outputs.

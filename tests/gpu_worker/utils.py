@@ -50,6 +50,7 @@ from transformers import (
     Glm4MoeConfig,
     Glm4MoeLiteConfig,
     GlmConfig,
+    GlmMoeDsaConfig,
     GPT2Config,
     GPTBigCodeConfig,
     GPTJConfig,
@@ -575,15 +576,25 @@ def make_config(kind: str = "llama", **overrides):
                                    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw,
                                    "num_key_value_heads": kw["num_attention_heads"]})  # (MLA: as many)
     # DeepSeek-V3.2: deepseek_v3's layers whose attention is DSA: an indexer of 16 heads of 16 values (8
-    # rotated) picks the 6 best keys a query past its sixth token attends to.
+    # rotated) picks the 6 best keys a query past its sixth token attends to. (No padding token: its zero
+    # embedding would score every key 0 for a query of it, a tie any two top-k implementations break apart.)
     if kind == "deepseek_v32":
         return DeepseekV32Config(**{"q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
                                     "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8,
                                     "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_group": 2,
                                     "topk_group": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
                                     "index_n_heads": 16, "index_head_dim": 16, "index_topk": 6,
-                                    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw,
+                                    "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2, **kw,
                                     "num_key_value_heads": kw["num_attention_heads"]})  # (MLA: as many)
+    # GLM-5: deepseek_v32's layers (experts in one group) whose indexer rotates in pairs, every other layer
+    # from the second sharing the previous layer's choice of 6 keys.
+    if kind == "glm_moe_dsa":
+        return GlmMoeDsaConfig(**{"q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+                                  "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8,
+                                  "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
+                                  "index_n_heads": 16, "index_head_dim": 16, "index_topk": 6, "index_topk_freq": 2,
+                                  "index_skip_topk_offset": 1, "pad_token_id": None, "bos_token_id": 1,
+                                  "eos_token_id": 2, **kw, "num_key_value_heads": kw["num_attention_heads"]})
     # nanochat: weightless norms (one over the embeddings too), relu^2 fc1/fc2, RoPE turning the other way,
     # q/k normed after it, logits capped at 15 (the logits here reach beyond it).
     if kind == "nanochat":
