@@ -16,6 +16,7 @@ time, and "same tokens" is the share of greedy tokens on which both sides agree.
     .venv/bin/python benchmarks/bench_model_runner.py --gpt-oss  # GPT-OSS: sinks, biased experts, windows
     .venv/bin/python benchmarks/bench_model_runner.py --glm4-moe  # GLM-4.5: sigmoid routing, shared expert
     .venv/bin/python benchmarks/bench_model_runner.py --deepseek-v3  # DeepSeek-V3: MLA, sigmoid routing
+    .venv/bin/python benchmarks/bench_model_runner.py --deepseek-v32 --index-topk 256  # DeepSeek Sparse Attention
     .venv/bin/python benchmarks/bench_model_runner.py --minimax-m2  # MiniMax-M2: whole-projection q/k norms
     .venv/bin/python benchmarks/bench_model_runner.py --granite-hybrid  # Granite 4.0-H: Mamba-2 layers
     .venv/bin/python benchmarks/bench_model_runner.py --nemotron-h  # Nemotron-H: Mamba-2, MLP, attention blocks
@@ -45,6 +46,9 @@ routed experts of half SmolLM2's MLP width in 2 groups, one kept, chosen by sigm
 experts, and multi-head latent attention (9 heads, a 256-value latent plus 32 rotary values, 64 + 32
 query/key values and 64 value values a head, queries through a 384-value bottleneck): HF expands
 every head's keys and values from its cached latent at each step; ours attends over the latent.
+With --deepseek-v32, as DeepSeek-V3.2: the same, each layer's indexer (16 heads of 64 values) choosing
+the --index-topk keys (256 by default) each query past them attends to: HF scores every key and masks
+the rest; ours attends densely below index-topk keys and gathers the chosen rows past it.
 With --minimax-m2, as a MiniMax-M2 model (64-wide heads, RoPE over half of each, queries and keys
 normed over their whole projections, then --experts (8 by default) routed experts of half SmolLM2's
 MLP width in every layer, chosen by sigmoid scores through a correction bias).
@@ -95,6 +99,8 @@ from transformers import (
     BloomForCausalLM,
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
+    DeepseekV32Config,
+    DeepseekV32ForCausalLM,
     DynamicCache,
     FalconH1Config,
     FalconH1ForCausalLM,
@@ -244,6 +250,9 @@ def main() -> None:
                     help="run the random model as GLM-4.5 (sigmoid-routed experts in groups, a shared expert)")
     ap.add_argument("--deepseek-v3", action="store_true",
                     help="run the random model as DeepSeek-V3 (multi-head latent attention, sigmoid-routed experts)")
+    ap.add_argument("--deepseek-v32", action="store_true",
+                    help="run the random model as DeepSeek-V3.2 (DeepSeek-V3 with DeepSeek Sparse Attention)")
+    ap.add_argument("--index-topk", type=int, default=256, help="--deepseek-v32: the keys each query attends to")
     ap.add_argument("--minimax-m2", action="store_true",
                     help="run the random model as MiniMax-M2 (whole-projection q/k norms, sigmoid-routed experts)")
     ap.add_argument("--gemma2", action="store_true",
@@ -308,14 +317,18 @@ def main() -> None:
                   "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "attention_bias": True,
                   "use_qk_norm": True, "partial_rotary_factor": 0.5}
         hf, model_config, weights = random_source(Glm4MoeForCausalLM, Glm4MoeConfig, shapes, device, dtype)
-    elif args.model == "random" and args.deepseek_v3:
-        shapes = {**SMOLLM2_135M, "architectures": ["DeepseekV3ForCausalLM"], "num_key_value_heads": 9,
+    elif args.model == "random" and (args.deepseek_v3 or args.deepseek_v32):
+        arch = "DeepseekV32ForCausalLM" if args.deepseek_v32 else "DeepseekV3ForCausalLM"
+        sparse = {"index_n_heads": 16, "index_head_dim": 64, "index_topk": args.index_topk} if args.deepseek_v32 else {}
+        shapes = {**SMOLLM2_135M, "architectures": [arch], "num_key_value_heads": 9, **sparse,
                   "q_lora_rank": 384, "kv_lora_rank": 256, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32,
                   "v_head_dim": 64, "n_routed_experts": args.experts or 8,
                   "num_experts_per_tok": args.experts_per_token,
                   "moe_intermediate_size": SMOLLM2_135M["intermediate_size"] // 2, "n_shared_experts": 1,
                   "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5}
-        hf, model_config, weights = random_source(DeepseekV3ForCausalLM, DeepseekV3Config, shapes, device, dtype)
+        classes = ((DeepseekV32ForCausalLM, DeepseekV32Config) if args.deepseek_v32
+                   else (DeepseekV3ForCausalLM, DeepseekV3Config))
+        hf, model_config, weights = random_source(*classes, shapes, device, dtype)
     elif args.model == "random" and args.minimax_m2:
         shapes = {**SMOLLM2_135M, "architectures": ["MiniMaxM2ForCausalLM"], "head_dim": 64,
                   "num_local_experts": args.experts or 8, "num_experts_per_tok": args.experts_per_token,
@@ -422,6 +435,7 @@ def main() -> None:
     runner.initialize_kv_cache(max_batch * -(-max_len // args.block_size), args.block_size)
 
     kinds = {"gemma2": args.gemma2, "gpt-oss": args.gpt_oss, "glm4-moe": args.glm4_moe, "deepseek-v3": args.deepseek_v3,
+             "deepseek-v32": args.deepseek_v32,
              "minimax-m2": args.minimax_m2, "granite-hybrid": args.granite_hybrid, "nemotron-h": args.nemotron_h,
              "qwen3-next": args.qwen3_next, "lfm2": args.lfm2, "falcon-h1": args.falcon_h1,
              "jamba": args.jamba, "zamba2": args.zamba2, "gpt2": args.gpt2, "bloom": args.bloom,
