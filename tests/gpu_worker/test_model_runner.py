@@ -132,7 +132,12 @@ def test_other_architectures_greedy_match_hf(tmp_path, kind, overrides, decode_i
     3's two RoPEs), GPT-OSS's (sinks on every attention path, biased experts), through chunked
     prefill and decode on both attention paths: every step mixes the tokens of several requests, so
     each expert's group holds rows of different requests, in varying numbers."""
-    path = save_tiny_model(tmp_path, kind, **overrides)
+    _greedy_through_chunks_as_transformers(save_tiny_model(tmp_path, kind, **overrides), decode_in_place)
+
+
+def _greedy_through_chunks_as_transformers(path, decode_in_place: bool) -> None:
+    """Five prompts through chunked prefill (chunks of 5) and decode, several requests a step: the greedy
+    tokens are transformers'."""
     hf = load_hf(path)
     runner = runner_for(path, decode_in_place, num_blocks=64, block_size=4)
     sched = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=13, long_prefill_token_threshold=5)
@@ -547,19 +552,12 @@ def test_a_bad_word_is_banned_once_the_output_ends_with_its_beginning():
 
 
 @pytest.mark.parametrize("decode_in_place", [True, False], ids=["kernel", "gather"])
-def test_deepseek_v32_sparse_attention_in_tiles_of_one_query(tmp_path, monkeypatch, decode_in_place):
+def test_deepseek_sparse_attention_in_tiles_of_one_query(tmp_path, monkeypatch, decode_in_place):
     """DeepSeek Sparse Attention's queries past index_topk keys, one query a tile (the decodes' rows each
-    reading their own blocks, a prefill chunk's rows the chunk's): the greedy tokens stay transformers'."""
+    reading their own blocks, a prefill chunk's rows the chunk's; GLM-5's, so that a layer sharing its
+    choice reads each tile's rows): the greedy tokens stay transformers'."""
     import gpu_worker.models.deepseek_v32 as deepseek_v32
 
     monkeypatch.setattr(deepseek_v32, "_VALUES_PER_TILE", 1)
-    path = save_tiny_model(tmp_path, "deepseek_v32", index_topk=4)
-    hf = load_hf(path)
-    runner = runner_for(path, decode_in_place, num_blocks=64, block_size=4)
-    sched = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=13, long_prefill_token_threshold=5)
-    ps = prompts(3, 4)
-    for rid, p in ps.items():
-        sched.add_request(greedy_request(rid, p, 8))
-    got = run_to_completion(sched, runner.execute_model)
-    for rid, p in ps.items():
-        assert got[rid] == hf_greedy(hf, p, 8), rid
+    _greedy_through_chunks_as_transformers(save_tiny_model(tmp_path, "glm_moe_dsa", index_topk=4,
+                                                           num_hidden_layers=3), decode_in_place)
