@@ -2333,7 +2333,8 @@ def _mla_fields(arch: str, cfg: dict[str, Any], scaling: dict[str, Any] | None) 
     """Multi-head latent attention (DeepSeek-V2 / V3's, MiniCPM3's): its ranks and head widths, and
     the softmax scale (qk_head_dim ** -0.5, times YaRN's mscale(factor, mscale_all_dim) squared under
     YaRN, as transformers' yarn_apply_mscale and vLLM fold it). The attention runs over the latent
-    (see gpu_worker.models.deepseek): one KV "head" of kv_lora_rank + qk_rope_head_dim values.
+    (see gpu_worker.models.deepseek): one KV "head" of kv_lora_rank + qk_rope_head_dim values (and
+    DeepSeek Sparse Attention's indexer key after them: _dsa_fields).
     MiniCPM3's defaults are transformers' MiniCPM3Config's (its value heads hidden_size / heads wide
     where unset), its rotary values in halves as Llama's."""
     if arch not in MLA_ARCHITECTURES:
@@ -2599,6 +2600,8 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
             raise ValueError(f"num_experts_per_tok ({top_k}) must fit in topk_group ({kept}) groups of "
                              f"{num_experts // groups} experts, each of two or more")
         first_moe, every = read("first_k_dense_replace", defaults[3]), read("moe_layer_freq", 1) or 1
+        if arch in _DSA_DEFAULTS:  # (transformers' DeepSeek-V3.2 and GLM-5 configs have no moe_layer_freq)
+            every = 1
         if arch == "SolarOpenForCausalLM":  # (transformers' SolarOpenConfig has neither key)
             first_moe, every = 0, 1
         # (Its multi-token-prediction layers follow the decoder's, numbered on: speculative decoding's
@@ -3014,9 +3017,9 @@ class ModelConfig:
     # DeepSeek-V2 / V3's multi-head latent attention (kv_lora_rank 0: none). The keys and values of
     # every head come from one latent of kv_lora_rank values (normed) plus qk_rope_head_dim rotated
     # values shared by all heads; queries from a q_lora_rank bottleneck (0: a plain projection). The
-    # cache holds the latent: head_dim is kv_lora_rank + qk_rope_head_dim, one KV head, rotary_dim
-    # qk_rope_head_dim, attention_multiplier the softmax scale. rope_interleave: the checkpoint's
-    # rotary values are in pairs (reordered into halves at load).
+    # cache holds the latent: head_dim is kv_lora_rank + qk_rope_head_dim (+ index_head_dim under DSA,
+    # below), one KV head, rotary_dim qk_rope_head_dim, attention_multiplier the softmax scale.
+    # rope_interleave: the checkpoint's rotary values are in pairs (reordered into halves at load).
     kv_lora_rank: int = 0
     q_lora_rank: int = 0
     qk_nope_head_dim: int = 0

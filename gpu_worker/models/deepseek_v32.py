@@ -38,6 +38,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.attn_metadata import AttentionMetadata
@@ -58,8 +59,9 @@ _VALUES_PER_TILE = 1 << 24
 class SharedTopk:
     """The last indexing layer's choices, for the layers sharing them (GLM-5): per token row of the
     step, the index_topk key positions ([tokens, index_topk] int64, or more rows: the buffer is kept)
-    and which of them are keys it sees (bool). Only the rows that see more than index_topk keys (which
-    choose exactly index_topk) are written, and only they are read."""
+    and which of them are keys it sees (bool). Only the rows that take the sparse path are written
+    (those of a chunk past index_topk keys, every decode row once one is), and only they are read: both
+    layers decide them from the same metadata."""
 
     chosen: torch.Tensor | None = None
     seen: torch.Tensor | None = None
@@ -79,17 +81,23 @@ class LightningIndexer(nn.Module):
         # Both scales fold into the heads' weights: relu(a * s) = s * relu(a) for s > 0.
         self.weight_scale = self.num_heads ** -0.5 * self.head_dim ** -0.5
 
-    def forward(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, q_resid: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rotated queries [T, heads, head_dim] and keys [T, 1, head_dim] in the model's dtype, and the
-        heads' weights [T, heads] in fp32 (both scales folded in)."""
-        num_tokens = hidden.shape[0]
-        q = self.wq_b.forward(q_resid).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_norm.forward(self.wk.forward(hidden)).view(num_tokens, 1, self.head_dim)
+    def key(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor) -> torch.Tensor:
+        """Each token's rotated key [T, 1, head_dim], in the model's dtype (what the cache keeps)."""
+        k = self.k_norm.forward(self.wk.forward(hidden)).view(hidden.shape[0], 1, self.head_dim)
+        return RotaryEmbedding.rotate_(k, rope[0], rope[1])
+
+    def queries(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, q_resid: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's rotated queries [T, heads, head_dim] and its heads' weights [T, heads], both fp32 (the
+        scales folded into the weights; an fp16 model's weights computed in fp32, as transformers keeps
+        that projection)."""
+        q = self.wq_b.forward(q_resid).view(hidden.shape[0], self.num_heads, self.head_dim)
         RotaryEmbedding.rotate_(q, rope[0], rope[1])
-        RotaryEmbedding.rotate_(k, rope[0], rope[1])
-        weights = self.weights_proj.forward(hidden).float().mul_(self.weight_scale)
-        return q, k, weights
+        if hidden.dtype == torch.float16:
+            weights = F.linear(hidden.float(), self.weights_proj.weight.float())
+        else:
+            weights = self.weights_proj.forward(hidden).float()
+        return q.float(), weights.mul_(self.weight_scale)
 
 
 class SparseMLAAttention(MLAAttention):
@@ -111,12 +119,13 @@ class SparseMLAAttention(MLAAttention):
                query: torch.Tensor, key: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         assert q_resid is not None  # (ModelConfig requires DSA's query bottleneck)
         num_tokens, heads, width = query.shape[0], self.num_heads, self.attn.head_dim
+        index_q = weights = None
         if self.indexer is None:
-            index_q = weights = None
             index_k = key.new_zeros(num_tokens, 1, self.index_dim)
         else:
-            index_q, index_k, weights = self.indexer.forward(rope, hidden, q_resid)
-            index_q = index_q.float()
+            index_k = self.indexer.key(rope, hidden)
+            if self._some_row_is_sparse(meta):  # (the queries only score keys past index_topk)
+                index_q, weights = self.indexer.queries(rope, hidden, q_resid)
         padded = query.new_zeros(num_tokens, heads, width)
         padded[..., : self.latent_width] = query
         # Every query attends densely here (the indexer's keys written with the latents); those that
@@ -126,11 +135,17 @@ class SparseMLAAttention(MLAAttention):
         self._sparse_rows(padded, index_q, weights, meta, out)
         return out.view(num_tokens, heads * width)
 
+    def _some_row_is_sparse(self, meta: AttentionMetadata) -> bool:
+        """Whether a query of this step sees more than index_topk keys (from the host-side metadata)."""
+        return ((meta.num_decodes > 0 and meta.decode_max_seq_len > self.index_topk)
+                or any(span.num_keys > self.index_topk for span in meta.prefills))
+
     def _sparse_rows(self, query: torch.Tensor, index_q: torch.Tensor | None, weights: torch.Tensor | None,
                      meta: AttentionMetadata, out: torch.Tensor) -> None:
         """Overwrite ``out``'s rows of the queries that see more than index_topk keys with their
         attention over the keys the indexer picks (without an indexer: those the last indexing layer
-        picked)."""
+        picked). Decode rows go together: once one of them sees more, they all take this path (a
+        row seeing fewer keeps all its keys: the dense answer again, with no host sync to sort them)."""
         assert self.attn.kv_cache is not None
         cache, topk, dtype = self.attn.kv_cache[0], self.index_topk, query.dtype
         index_heads = self.indexer.num_heads if self.indexer is not None else 1
@@ -148,7 +163,8 @@ class SparseMLAAttention(MLAAttention):
             for start in range(0, nd, rows):
                 end = min(nd, start + rows)
                 keys = gather_kv(cache, meta.decode_block_table[start:end], num_keys, dtype)[:, 0]
-                out[start:end] = self._attend_chosen(query, index_q, weights, keys, counts[start:end], start)
+                out[start:end] = self._attend_chosen(query, index_q, weights, keys, self._index_keys(keys),
+                                                     counts[start:end], start)
         for span in meta.prefills:
             num_keys, qlen = span.num_keys, span.token_end - span.token_start
             # Query j of the chunk sees num_keys - qlen + j + 1 keys: the first past index_topk is j0.
@@ -156,29 +172,35 @@ class SparseMLAAttention(MLAAttention):
             if j0 >= qlen:
                 continue
             keys = gather_kv(cache, span.block_ids, num_keys, dtype)  # [1, N, width]: one KV head
+            index_keys = self._index_keys(keys)  # (once for the chunk's tiles)
             rows = max(1, _VALUES_PER_TILE // max(num_keys * index_heads,
                                                   topk * max(self.attn.head_dim, self.num_heads)))
             for j in range(j0, qlen, rows):
                 k = min(qlen, j + rows)
                 counts = torch.arange(num_keys - qlen + j + 1, num_keys - qlen + k + 1, device=query.device)
                 first = span.token_start + j
-                out[first: first + k - j] = self._attend_chosen(query, index_q, weights, keys, counts, first)
+                out[first: first + k - j] = self._attend_chosen(query, index_q, weights, keys, index_keys, counts,
+                                                                first)
+
+    def _index_keys(self, keys: torch.Tensor) -> torch.Tensor | None:
+        """The indexer's keys of gathered cache rows, fp32 (None in a layer sharing another's choice)."""
+        return None if self.indexer is None else keys[..., self.latent_width:].float()
 
     def _attend_chosen(self, query: torch.Tensor, index_q: torch.Tensor | None, weights: torch.Tensor | None,
-                       keys: torch.Tensor, counts: torch.Tensor, first: int) -> torch.Tensor:
+                       keys: torch.Tensor, index_keys: torch.Tensor | None, counts: torch.Tensor,
+                       first: int) -> torch.Tensor:
         """The R = len(counts) token rows from ``first``: of ``query`` [T, heads, width], ``index_q`` [T,
         index heads, index dim] fp32 and ``weights`` [T, index heads] fp32 (None: the shared choices),
-        over ``keys`` [R or 1, N, width] the cache rows they may read, of which row r sees the first
-        ``counts[r]``. Returns [R, heads, width]: each row's attention over the index_topk keys its
-        indexer scores best (a row seeing fewer keeps them all)."""
+        over ``keys`` [R or 1, N, width] the cache rows they may read (``index_keys`` their indexer
+        values, fp32), of which row r sees the first ``counts[r]``. Returns [R, heads, width]: each row's
+        attention over the index_topk keys its indexer scores best (a row seeing fewer keeps them all)."""
         num_rows, num_keys = counts.shape[0], keys.shape[-2]
         last = first + num_rows
-        if index_q is None or weights is None:
+        if index_q is None or weights is None or index_keys is None:
             assert self.shared_topk is not None and self.shared_topk.chosen is not None \
                 and self.shared_topk.seen is not None
             chosen, seen = self.shared_topk.chosen[first:last], self.shared_topk.seen[first:last]
         else:
-            index_keys = keys[..., self.latent_width:].float()
             scores = torch.matmul(index_q[first:last], index_keys.transpose(-1, -2)).relu_()  # [R, index heads, N]
             index = torch.matmul(weights[first:last].unsqueeze(1), scores).squeeze(1)  # [R, N]
             visible = torch.arange(num_keys, device=query.device)[None, :] < counts[:, None]

@@ -164,7 +164,7 @@ def mtp_config(target: ModelConfig) -> ModelConfig:
         why = ("its config names no multi-token-prediction layer (num_nextn_predict_layers)"
                if name in MTP_DRAFTERS else
                "its MTP layer attends through an indexer of its own (DeepSeek Sparse Attention), which the "
-               "drafter does not run" if target.index_topk else "its architecture has none")
+               "drafter does not run" if target.index_topk and target.num_mtp_layers else "its architecture has none")
         raise ValueError(f"speculative method mtp drafts with the model's own multi-token-prediction layer, and "
                          f"{name} has none: {why}. Served with one: {families}")
     return dataclasses.replace(target, architecture=MTP_DRAFTERS[name].__name__)

@@ -122,16 +122,19 @@ def _answers(path, kv_cache_dtype, decode_in_place, requests, num_blocks=14, bud
     return answers, runner
 
 
-@pytest.mark.parametrize(("name", "decode_in_place"), [
-    ("fp8", True), ("fp8", False), ("fp8_e5m2", True), ("fp8_e5m2", False),
-    ("bfloat16", False),  # the CPU kernel reads fp32 and fp8 caches only: bf16 decodes gather
-], ids=["fp8-kernel", "fp8-gather", "fp8_e5m2-kernel", "fp8_e5m2-gather", "bfloat16-gather"])
+@pytest.mark.parametrize(("name", "decode_in_place", "kind"), [
+    ("fp8", True, "llama"), ("fp8", False, "llama"), ("fp8_e5m2", True, "llama"), ("fp8_e5m2", False, "llama"),
+    ("bfloat16", False, "llama"),  # the CPU kernel reads fp32 and fp8 caches only: bf16 decodes gather
+    ("fp8", True, "glm_moe_dsa"), ("fp8", False, "glm_moe_dsa"),
+], ids=["fp8-kernel", "fp8-gather", "fp8_e5m2-kernel", "fp8_e5m2-gather", "bfloat16-gather",
+        "fp8-kernel-sparse-attention", "fp8-gather-sparse-attention"])
 def test_a_narrow_cache_answers_as_full_precision_attention_over_rounded_keys_and_values(
-        tmp_path, monkeypatch, name, decode_in_place):
+        tmp_path, monkeypatch, name, decode_in_place, kind):
     """The engine with a narrow cache (fp8 bytes or bf16, widened on read) against a reference that
     keeps an fp32 cache and only rounds what it stores through that dtype: the same greedy tokens,
-    while plain fp32 answers differ under fp8 (so the rounding really happens)."""
-    path = save_tiny_model(tmp_path)
+    while plain fp32 answers differ under fp8 (so the rounding really happens). GLM-5's DeepSeek Sparse
+    Attention too: its indexer scores the rounded keys it reads back."""
+    path = save_tiny_model(tmp_path, kind)
     rng = random.Random(3)
     shared = [rng.randrange(256) for _ in range(9)]
     requests = [(f"r{i}", (shared if i % 2 else []) + [rng.randrange(256) for _ in range(rng.randrange(2, 20))],

@@ -1888,6 +1888,9 @@ def test_glm_moe_dsa_config_as_released():
     assert stated.indexer_shared_layers == (False, True) * 3
     with pytest.raises(ValueError, match="the first 'full'"):
         ModelConfig.from_dict({**small, "indexer_types": ["shared", "full"] * 3})
+    # (transformers' config has no moe_layer_freq: every layer from first_k_dense_replace on is routed)
+    assert [ModelConfig.from_dict({**small, "moe_layer_freq": 2}).layer_is_moe(i) for i in range(6)] == [
+        False, False, False, True, True, True]
 
 
 def test_logit_soft_caps_are_computed_in_fp32_for_a_bf16_model(tmp_path):

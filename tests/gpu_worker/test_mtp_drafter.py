@@ -115,6 +115,8 @@ def test_a_model_without_an_mtp_layer_is_refused(tmp_path):
     v32 = ModelConfig.from_pretrained(save_tiny_model(tmp_path / "v32", "deepseek_v32", num_nextn_predict_layers=1))
     with pytest.raises(ValueError, match="an indexer of its own"):
         mtp_config(v32)
+    with pytest.raises(ValueError, match="its architecture has none"):  # (no MTP layer named)
+        mtp_config(ModelConfig.from_pretrained(save_tiny_model(tmp_path / "glm5", "glm_moe_dsa")))
 
 
 @pytest.mark.slow
