@@ -23,3 +23,13 @@ def tiny_model() -> LlamaForCausalLM:
 @pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_model: LlamaForCausalLM) -> Path:
     return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny-llama.F32.gguf", tiny_model)
+
+
+@pytest.fixture(scope="module")
+def tp_hosts(ray_cluster):
+    """The module's pair of processes its two-rank tests start their ranks in (utils.WorkerHosts)."""
+    from .utils import WorkerHosts
+
+    hosts = WorkerHosts()
+    yield hosts
+    hosts.close()

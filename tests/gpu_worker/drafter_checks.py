@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from engine_core.spec_decode import model_drafts
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.worker import Worker
-from tests.gpu_worker.utils import greedy_request, hf_greedy, make_scheduler, run_to_completion
-from tests.ports import free_port
+from tests.gpu_worker.utils import greedy_request, hf_greedy, make_scheduler, run_to_completion, two_tp_ranks
 
 
 def check_every_draft(runner: ModelRunner, reference, k: int, num_blocks: int = 96, block_size: int = 4,
@@ -74,7 +74,7 @@ def drive(execute: Callable, prompts: dict[str, list[int]], num_blocks: int, k: 
 
 
 def check_two_ranks_draft_as_one(path: Path, prompts: dict[str, list[int]], k: int, kwargs: dict,
-                                 drafting: dict, layers_per_block: tuple[int, int]) -> None:
+                                 drafting: dict, layers_per_block: tuple[int, int], hosts: Any = None) -> None:
     """The drafter (``drafting``: Worker arguments) over two tensor-parallel Ray workers gives the
     same drafts, pass for pass, and answers as over one, and those are the plain greedy ones; one
     rank's block holds ``layers_per_block`` = (the model's and the drafter's layers, the model's)
@@ -96,24 +96,6 @@ def check_two_ranks_draft_as_one(path: Path, prompts: dict[str, list[int]], k: i
     assert answers == run_to_completion(scheduler, plain.execute_model)
     assert any(proposed)
 
-    started_here = not ray.is_initialized()
-    if started_here:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        remote_worker = ray.remote(num_cpus=1)(Worker)
-        ranks = [remote_worker.remote(rank, 2, str(path), num_spec_tokens=k, **drafting, **kwargs) for rank in range(2)]
-        port = free_port()
-        ray.get([w.init_distributed.remote("127.0.0.1", port) for w in ranks])
-        ray.get([w.load_model.remote() for w in ranks])
+    with two_tp_ranks(path, hosts, num_spec_tokens=k, **drafting, **kwargs) as (ranks, execute):
         ray.get([w.initialize_cache.remote(48, 4) for w in ranks])
-
-        def execute(so):
-            outs = ray.get([w.execute_model.remote(so) for w in ranks])
-            assert outs[1] is None  # only rank 0 answers
-            return outs[0]
-
         assert drive(execute, prompts, 48, k) == (answers, proposed)
-        ray.get([w.shutdown.remote() for w in ranks])
-    finally:
-        if started_here:
-            ray.shutdown()

@@ -254,7 +254,7 @@ def test_eagle3_is_refused_where_the_target_gives_no_inner_hidden_states(tmp_pat
 
 
 @pytest.mark.slow
-def test_two_tensor_parallel_ranks_draft_as_one_with_eagle3(tmp_path):
+def test_two_tensor_parallel_ranks_draft_as_one_with_eagle3(tmp_path, tp_hosts):
     """The EAGLE-3 head shards over the target's two workers (its attention by heads, its own head
     by vocabulary); each rank keeps its target's inner hidden states: the same drafts, pass for
     pass, and the same answers as one rank, and those are the plain greedy ones."""
@@ -267,4 +267,4 @@ def test_two_tensor_parallel_ranks_draft_as_one_with_eagle3(tmp_path):
     kwargs = dict(device="cpu", dtype="float32", max_model_len=128, num_cpus=1)
     # (One more layer's cache beside the target's eight: of the same geometry.)
     check_two_ranks_draft_as_one(target, prompts, K, kwargs, {"draft_model": str(head), "draft_method": "eagle3"},
-                                 (9, 8))
+                                 (9, 8), tp_hosts)

@@ -27,7 +27,7 @@ from engine_core.request import Request
 from engine_core.sampling_params import SamplingParams
 from engine_core.sched.scheduler import Scheduler
 from gpu_worker.config import ModelConfig
-from tests.gpu_worker.utils import make_runner, run_to_completion
+from tests.gpu_worker.utils import make_runner, run_to_completion, two_tp_ranks
 
 _CONFIGS = {"bert": BertConfig, "roberta": RobertaConfig, "xlm-roberta": XLMRobertaConfig,
             "modernbert": ModernBertConfig, "nomic": NomicBertConfig, "gte": GteConfig, "jina": JinaEmbeddingsV3Config}
@@ -337,13 +337,13 @@ def test_encoder_configs():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["bert", "modernbert"])
-def test_tp2_over_gloo_equals_tp1(tmp_path, kind):
+def test_tp2_over_gloo_equals_tp1(tmp_path, kind, tp_hosts):
     """A BERT (ModernBERT) classifier split over two ranks (heads and MLP by width, ModernBERT's fused
     Wqkv and Wi split as read, an odd vocabulary padded): the same class logits, BERT's token types
     included, as on one; no rank keeps a KV cache."""
-    ray = pytest.importorskip("ray")
+    import ray
+
     from gpu_worker.worker import Worker
-    from tests.ports import free_port
 
     path, _ = save_tiny_encoder(tmp_path, kind, num_labels=3, vocab_size=251)
     prompts = random_prompts(5, seed=6)
@@ -354,27 +354,11 @@ def test_tp2_over_gloo_equals_tp1(tmp_path, kind):
     num_blocks = tp1.determine_num_blocks(4)  # (no memory asked for: an encoder's blocks cost none)
     tp1.initialize_cache(num_blocks, 4)
     expected = pooled_outputs(None, prompts, "CLS", type_starts, execute=tp1.execute_model, num_blocks=num_blocks)
-    started_here = not ray.is_initialized()
-    if started_here:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        ranks = [ray.remote(num_cpus=1)(Worker).remote(rank, 2, str(path), **kwargs) for rank in range(2)]
-        port = free_port()
-        ray.get([w.init_distributed.remote("127.0.0.1", port) for w in ranks])
-        ray.get([w.load_model.remote() for w in ranks])
+    with two_tp_ranks(path, tp_hosts, **kwargs) as (ranks, execute):
         assert ray.get([w.determine_num_blocks.remote(4) for w in ranks]) == [num_blocks] * 2
         ray.get([w.initialize_cache.remote(num_blocks, 4) for w in ranks])
         assert ray.get([w.__ray_call__.remote(lambda w: len(w.runner.kv_caches)) for w in ranks]) == [0, 0]
-
-        def execute(so):
-            outs = ray.get([w.execute_model.remote(so) for w in ranks])
-            return outs[0]
-
         got = pooled_outputs(None, prompts, "CLS", type_starts, execute=execute, num_blocks=num_blocks)
-        ray.get([w.shutdown.remote() for w in ranks])
-    finally:
-        if started_here:
-            ray.shutdown()
     for rid in prompts:
         torch.testing.assert_close(torch.tensor(got[rid]), torch.tensor(expected[rid]), atol=1e-5, rtol=1e-5)
 

@@ -16,9 +16,8 @@ from engine_core.sampling_params import SamplingParams
 from engine_core.sched.scheduler import Scheduler
 from gpu_worker.lora.peft_adapter import load_peft_adapter
 from gpu_worker.worker import Worker
-from tests.gpu_worker.utils import hf_greedy, load_hf, prefill_logits, run_to_completion, save_tiny_model
+from tests.gpu_worker.utils import hf_greedy, load_hf, prefill_logits, run_to_completion, save_tiny_model, two_tp_ranks
 from tests.lora_adapters import peft_model, save_adapter
-from tests.ports import free_port
 
 MAX_TOKENS = 8
 
@@ -116,33 +115,18 @@ def test_an_adapter_changes_the_answers_and_unloading_it_restores_nothing_else(s
 
 
 @pytest.mark.slow
-def test_tp2_over_gloo_serves_adapters_as_tp1(setup):
+def test_tp2_over_gloo_serves_adapters_as_tp1(setup, tp_hosts):
     """Column-parallel shards of B and row-parallel shards of A, summed by the all-reduce, give
     the same answers as one rank (one KV head replicated on both ranks, a padded vocabulary)."""
-    ray = pytest.importorskip("ray")
+    import ray
+
     base, adapters, prompts, expected = setup
-    started_here = not ray.is_initialized()
-    if started_here:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        remote_worker = ray.remote(num_cpus=1)(Worker)
-        ranks = [remote_worker.remote(rank, 2, str(base), device="cpu", dtype="float32", max_model_len=128,
-                                      num_cpus=1, max_lora_rank=8) for rank in range(2)]
-        port = free_port()
-        ray.get([w.init_distributed.remote("127.0.0.1", port) for w in ranks])
-        ray.get([w.load_model.remote() for w in ranks])
+    with two_tp_ranks(base, tp_hosts, device="cpu", dtype="float32", max_model_len=128, num_cpus=1,
+                      max_lora_rank=8) as (ranks, execute):
         ray.get([w.initialize_cache.remote(60, 4) for w in ranks])
         for lora in adapters.values():
             assert ray.get([w.add_lora.remote(lora) for w in ranks]) == [True, True]
-
-        def execute(so):
-            return ray.get([w.execute_model.remote(so) for w in ranks])[0]
-
         assert _drive(execute, adapters, prompts, max_loras=2) == expected
-        ray.get([w.shutdown.remote() for w in ranks])
-    finally:
-        if started_here:
-            ray.shutdown()
 
 
 def test_adapter_weights_and_scaling(setup):

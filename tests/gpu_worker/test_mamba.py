@@ -302,7 +302,7 @@ def test_parallel_engines_are_refused_before_workers_start(tmp_path, parallel, r
                                          ("jamba", 0), ("zamba2", 2), ("lfm3", 0), ("olmo_hybrid", 0)],
                          ids=["groups_split", "one_group_replicated", "nemotron_h_moe", "qwen3_next", "qwen3_5",
                               "lfm2_moe", "falcon_h1", "jamba", "zamba2", "lfm3", "olmo_hybrid"])
-def test_tp2_over_gloo_equals_tp1(tmp_path, kind, groups, ray_cluster):
+def test_tp2_over_gloo_equals_tp1(tmp_path, kind, groups, tp_hosts):
     """Two ranks, each with half of the Mamba-2 heads (their in_proj rows, convolution channels, A, D,
     dt bias, norm channels and out_proj columns) and either its half of the groups of B and C or the
     one group whole (the gated norm's sum of squares then all-reduced): the same greedy answers as
@@ -341,7 +341,7 @@ def test_tp2_over_gloo_equals_tp1(tmp_path, kind, groups, ray_cluster):
     tp1.initialize_cache(40, 4)
     expected = drive(tp1.execute_model)
 
-    with two_tp_ranks(path, **kwargs) as (ranks, execute):
+    with two_tp_ranks(path, tp_hosts, **kwargs) as (ranks, execute):
         # A rank's states are half of one rank's (with one group, B and C's channels are not halved).
         state_bytes = ray.get([w.mamba_state_bytes.remote() for w in ranks])
         assert state_bytes[0] == state_bytes[1] < tp1.mamba_state_bytes()

@@ -121,7 +121,7 @@ def test_a_model_without_an_mtp_layer_is_refused(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("kind", "expert_parallel"), [("glm4_moe", True), ("deepseek_v3", False)])
-def test_two_tensor_parallel_ranks_draft_as_one(tmp_path, kind, expert_parallel):
+def test_two_tensor_parallel_ranks_draft_as_one(tmp_path, kind, expert_parallel, tp_hosts):
     """The MTP layer shards over the target's two workers (its experts split by width or by expert,
     its latent attention by heads); the sampling rank shares what it accepted and sampled: the same
     drafts, pass for pass, and the same answers as one rank, and those are the plain greedy ones."""
@@ -133,4 +133,4 @@ def test_two_tensor_parallel_ranks_draft_as_one(tmp_path, kind, expert_parallel)
     prompts = {f"r{i}": [rng.randrange(3, 251) for _ in range(rng.randrange(2, 20))] for i in range(4)}
     kwargs = dict(device="cpu", dtype="float32", max_model_len=128, num_cpus=1, enable_expert_parallel=expert_parallel)
     # (One more layer's cache beside the target's two: its own, of the same geometry.)
-    check_two_ranks_draft_as_one(path, prompts, K, kwargs, {"mtp_drafter": True}, (3, 2))
+    check_two_ranks_draft_as_one(path, prompts, K, kwargs, {"mtp_drafter": True}, (3, 2), tp_hosts)

@@ -166,7 +166,7 @@ def _drive(workers_execute, prompts: dict[str, list[int]], num_blocks: int, spec
         "jetmoe", "jetmoe_expert_parallel", "longcat_flash_expert_parallel",
         "biogpt", "xglm", "modernbert_decoder", "deepseek_v32_expert_parallel",
         "glm_moe_dsa_expert_parallel"])
-def test_tp2_over_gloo_equals_tp1(tmp_path, kind, overrides, expert_parallel, ray_cluster):
+def test_tp2_over_gloo_equals_tp1(tmp_path, kind, overrides, expert_parallel, tp_hosts):
     """Qwen2-MoE: each rank holds half of every expert (or, with expert parallelism, half of the
     experts whole) and half of the shared expert; one all-reduce per layer sums their outputs.
     GPT-OSS: each rank its query heads' sinks, its slice (or its experts') of the experts' gate/up
@@ -202,7 +202,7 @@ def test_tp2_over_gloo_equals_tp1(tmp_path, kind, overrides, expert_parallel, ra
     tp1.initialize_cache(40, 4)
     expected = _drive(tp1.execute_model, prompts, 40)
 
-    with two_tp_ranks(path, **kwargs) as (ranks, execute):
+    with two_tp_ranks(path, tp_hosts, **kwargs) as (ranks, execute):
         # The single KV head is replicated, so a rank's block is as large as a TP=1 block (GPT-NeoX's,
         # GPT-J's, this Falcon's, BLOOM's and GPT-Neo's KV heads are more, split between the ranks: half as large;
         # MiMo-V2-Flash's windowed layers have two, split, beside its full layers' one, replicated: a rank's

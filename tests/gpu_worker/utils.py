@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -1165,12 +1166,87 @@ def save_tiny_eagle_head(path: Path, target: Path, method: str, seed: int = 0, n
     return path
 
 
+class WorkerHost:
+    """A process (a Ray actor) that holds one tensor-parallel rank's Worker at a time: the two-rank tests
+    start their ranks in a pair of these kept for a test module, rather than in new actors each (a
+    process and its imports cost about 2 s a case)."""
+
+    def __init__(self) -> None:
+        self.worker: Any = None
+
+    def start(self, rank: int, world_size: int, path: str, port: int, kwargs: dict[str, Any]) -> None:
+        from gpu_worker.worker import Worker
+
+        self.worker = Worker(rank, world_size, path, **kwargs)
+        self.worker.init_distributed("127.0.0.1", port)
+        self.worker.load_model()
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.worker, method)(*args, **kwargs)
+
+    def apply(self, fn: Any) -> Any:
+        return fn(self.worker)
+
+    def stop(self) -> None:
+        import gc
+
+        if self.worker is not None:
+            self.worker.shutdown()
+            self.worker = None
+        gc.collect()
+
+
+class _RemoteMethod:
+    def __init__(self, remote: Any) -> None:
+        self.remote = remote
+
+
+class HostedRank:
+    """A rank started in a WorkerHost, called as a Worker actor is: ``rank.method.remote(...)``, and
+    ``rank.__ray_call__.remote(fn)`` (fn given the Worker)."""
+
+    def __init__(self, host: Any) -> None:
+        self._host = host
+
+    def __getattr__(self, name: str) -> _RemoteMethod:
+        host = self._host
+        if name == "__ray_call__":
+            return _RemoteMethod(host.apply.remote)
+        return _RemoteMethod(lambda *args, **kwargs: host.call.remote(name, *args, **kwargs))
+
+
+class WorkerHosts:
+    """A test module's pair of WorkerHosts, started at first use (in the session's Ray cluster, one CPU
+    each) and killed at the module's end, or after a case that failed with ranks in them (a rank left
+    inside a collective would hold its process)."""
+
+    def __init__(self) -> None:
+        self.hosts: list[Any] = []
+
+    def pair(self) -> list[Any]:
+        import ray
+
+        if not self.hosts:
+            host = ray.remote(num_cpus=1)(WorkerHost)
+            self.hosts = [host.remote() for _ in range(2)]
+        return self.hosts
+
+    def close(self) -> None:
+        import ray
+
+        for host in self.hosts:
+            ray.kill(host)
+        self.hosts = []
+
+
 @contextmanager
-def two_tp_ranks(path: Path, **worker_kwargs):
-    """Two Worker actors of one tensor-parallel group over gloo (a local Ray cluster of 2 CPUs unless
-    one runs already: the session's ray_cluster fixture keeps one), their models loaded: yields (the
-    ranks, execute: a pass on both, rank 0's answer). Their caches are the caller's to size; the ranks are
-    shut down after (and, in a cluster that outlives them, their actors killed, freeing its CPUs)."""
+def two_tp_ranks(path: Path, hosts: WorkerHosts | None = None, **worker_kwargs):
+    """Two Worker ranks of one tensor-parallel group over gloo, their models loaded: yields (the ranks,
+    execute: a pass on both, rank 0's answer). Their caches are the caller's to size. With ``hosts``
+    (the module's WorkerHosts) the ranks start in its kept processes and stop after; otherwise in
+    new Worker actors (a local Ray cluster of 2 CPUs unless one runs already: the session's ray_cluster
+    fixture keeps one), shut down after (and, in a cluster that outlives them, killed, freeing its
+    CPUs)."""
     import ray
 
     from gpu_worker.worker import Worker
@@ -1179,13 +1255,19 @@ def two_tp_ranks(path: Path, **worker_kwargs):
     started_here = not ray.is_initialized()
     if started_here:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    ranks = []
+    ranks: list[Any] = []
+    ok = False
     try:
-        remote_worker = ray.remote(num_cpus=1)(Worker)
-        ranks = [remote_worker.remote(rank, 2, str(path), **worker_kwargs) for rank in range(2)]
         port = free_port()
-        ray.get([w.init_distributed.remote("127.0.0.1", port) for w in ranks])
-        ray.get([w.load_model.remote() for w in ranks])
+        if hosts is not None:
+            pair = hosts.pair()
+            ray.get([host.start.remote(rank, 2, str(path), port, worker_kwargs) for rank, host in enumerate(pair)])
+            ranks = [HostedRank(host) for host in pair]
+        else:
+            remote_worker = ray.remote(num_cpus=1)(Worker)
+            ranks = [remote_worker.remote(rank, 2, str(path), **worker_kwargs) for rank in range(2)]
+            ray.get([w.init_distributed.remote("127.0.0.1", port) for w in ranks])
+            ray.get([w.load_model.remote() for w in ranks])
 
         def execute(so):
             outs = ray.get([w.execute_model.remote(so) for w in ranks])
@@ -1193,14 +1275,20 @@ def two_tp_ranks(path: Path, **worker_kwargs):
             return outs[0]
 
         yield ranks, execute
-        ray.get([w.shutdown.remote() for w in ranks])
+        if hosts is not None:
+            ray.get([host.stop.remote() for host in hosts.pair()])
+        else:
+            ray.get([w.shutdown.remote() for w in ranks])
+        ok = True
     finally:
         if started_here:
             ray.shutdown()
+        elif hosts is not None:
+            if not ok:
+                hosts.close()
         else:
             for rank in ranks:
                 ray.kill(rank)
-
 
 
 class MixerPassMetadata:
