@@ -19,11 +19,12 @@ cache, chunked prefill, preemption, KV offloading and P/D transfers carry it unc
 queries are zero over those values, so dense attention over the rows is MLA's own.
 
 How a query attends: a query that sees at most ``index_topk`` keys attends to all of them (its top k
-is every key it sees), so it takes the paged attention path of every layer, the indexer unused. The
-queries that see more (their position at or past ``index_topk``) score their keys, keep the top k and
-attend to those alone, in fp32 softmax, in tiles of bounded size: plain PyTorch gathers (no FlashMLA
-sparse kernel here), so long contexts cost the indexer's full scoring per query and layer, as they do
-in DeepSeek's design, plus a copy of the chosen rows.
+is every key it sees), so it takes the paged attention path of every layer, the indexer's queries not
+computed. The queries that see more (their position at or past ``index_topk``) are left out of that
+pass (a chunk cut before its first such query; every decode row once one is) and score their keys,
+keep the top k and attend to those alone, in fp32 softmax, in tiles of bounded size: plain PyTorch
+gathers (no FlashMLA sparse kernel here), so long contexts cost the indexer's full scoring per query
+and layer, as they do in DeepSeek's design, plus a copy of the chosen rows, and no dense attention.
 
 GLM-5 differs in two ways: its indexer's rotary values are in pairs (their rows reordered into halves
 at load: the query projection's per head, the key projection's and its LayerNorm's, whose statistics
@@ -34,6 +35,7 @@ keys the last indexing layer chose for the same query (the choices of a step kep
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -128,12 +130,37 @@ class SparseMLAAttention(MLAAttention):
                 index_q, weights = self.indexer.queries(rope, hidden, q_resid)
         padded = query.new_zeros(num_tokens, heads, width)
         padded[..., : self.latent_width] = query
-        # Every query attends densely here (the indexer's keys written with the latents); those that
-        # see more than index_topk keys are then recomputed over their chosen keys.
+        # Every token's row is written to the cache here (the indexer's key with the latent); the queries
+        # that see at most index_topk keys attend densely, the others are then attended over their
+        # chosen keys (their rows of ``out`` left to that).
         row = torch.cat((key, index_k), dim=-1)
-        out = self.attn.forward(padded, row, row, meta).view(num_tokens, heads, width)
+        out = self.attn.forward(padded, row, row, self._dense_part(meta)).view(num_tokens, heads, width)
         self._sparse_rows(padded, index_q, weights, meta, out)
         return out.view(num_tokens, heads * width)
+
+    def _dense_part(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """The step's metadata without the queries the sparse path answers: no decode rows once one of
+        them sees more than index_topk keys, and each prefill chunk cut before its first query that
+        does (the slots of every token kept: all are written). The step's own when none does."""
+        if not self._some_row_is_sparse(meta):
+            return meta
+        topk = self.index_topk
+        spans = []
+        for span in meta.prefills:
+            qlen = span.token_end - span.token_start
+            dense = min(qlen, max(0, topk - (span.num_keys - qlen)))  # (its first queries, j0 of _sparse_rows)
+            if dense == qlen:
+                spans.append(span)
+            elif dense:
+                # (Query j sees keys up to num_keys - qlen + j: the kept queries' keys end before the cut's.)
+                num_keys = span.num_keys - qlen + dense
+                spans.append(dataclasses.replace(
+                    span, token_end=span.token_start + dense, num_keys=num_keys,
+                    mask=None if span.mask is None else span.mask[:dense, :num_keys]))
+        if meta.num_decodes and meta.decode_max_seq_len > topk:
+            return dataclasses.replace(meta, num_decodes=0, decode_block_table=None, decode_max_seq_len=0,
+                                       decode_mask=None, decode_seq_lens=None, decode_key_starts=None, prefills=spans)
+        return dataclasses.replace(meta, prefills=spans)
 
     def _some_row_is_sparse(self, meta: AttentionMetadata) -> bool:
         """Whether a query of this step sees more than index_topk keys (from the host-side metadata)."""

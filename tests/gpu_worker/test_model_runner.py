@@ -555,9 +555,23 @@ def test_a_bad_word_is_banned_once_the_output_ends_with_its_beginning():
 def test_deepseek_sparse_attention_in_tiles_of_one_query(tmp_path, monkeypatch, decode_in_place):
     """DeepSeek Sparse Attention's queries past index_topk keys, one query a tile (the decodes' rows each
     reading their own blocks, a prefill chunk's rows the chunk's; GLM-5's, so that a layer sharing its
-    choice reads each tile's rows): the greedy tokens stay transformers'."""
+    choice reads each tile's rows), the rows the dense pass leaves to them made NaN there: the greedy
+    tokens stay transformers'."""
     import gpu_worker.models.deepseek_v32 as deepseek_v32
+    from gpu_worker.layers.attention import PagedAttention
 
     monkeypatch.setattr(deepseek_v32, "_VALUES_PER_TILE", 1)
+    dense_forward = PagedAttention.forward
+
+    def nan_where_not_attended(self, q, k, v, meta):
+        """The dense pass's output with NaN in the rows it was not asked to answer (left to the sparse path)."""
+        out = dense_forward(self, q, k, v, meta).view(q.shape[0], -1)
+        answered = torch.zeros(q.shape[0], dtype=torch.bool)
+        answered[: meta.num_decodes] = True
+        for span in meta.prefills:
+            answered[span.token_start: span.token_end] = True
+        return out.masked_fill(~answered[:, None], float("nan"))
+
+    monkeypatch.setattr(PagedAttention, "forward", nan_where_not_attended)
     _greedy_through_chunks_as_transformers(save_tiny_model(tmp_path, "glm_moe_dsa", index_topk=4,
                                                            num_hidden_layers=3), decode_in_place)
