@@ -174,7 +174,7 @@ class PagedAttention(nn.Module):
                                                  self._decode_alibi_bias(meta))
             # (reshape: CUDA's SDPA kernels write [nd, groups, kv_heads, head_dim] in memory and hand
             # it back transposed, which no view can flatten.)
-            if not meta.prefills:
+            if not meta.prefills and nd == num_tokens:
                 return decode_out.reshape(nd, self.num_heads * head_dim)
         out = torch.empty_like(q)
         if decode_out is not None:

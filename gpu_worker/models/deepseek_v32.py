@@ -154,13 +154,17 @@ class SparseMLAAttention(MLAAttention):
             elif dense:
                 # (Query j sees keys up to num_keys - qlen + j: the kept queries' keys end before the cut's.)
                 num_keys = span.num_keys - qlen + dense
+                block_size = self.attn.kv_cache[0].shape[1] if self.attn.kv_cache is not None else None
                 spans.append(dataclasses.replace(
                     span, token_end=span.token_start + dense, num_keys=num_keys,
+                    block_ids=span.block_ids if block_size is None else span.block_ids[: -(-num_keys // block_size)],
                     mask=None if span.mask is None else span.mask[:dense, :num_keys]))
+        # (No window in an MLA layer: the step's windowed metadata is not this layer's.)
         if meta.num_decodes and meta.decode_max_seq_len > topk:
             return dataclasses.replace(meta, num_decodes=0, decode_block_table=None, decode_max_seq_len=0,
-                                       decode_mask=None, decode_seq_lens=None, decode_key_starts=None, prefills=spans)
-        return dataclasses.replace(meta, prefills=spans)
+                                       decode_mask=None, decode_seq_lens=None, decode_key_starts=None, prefills=spans,
+                                       windowed=None)
+        return dataclasses.replace(meta, prefills=spans, windowed=None)
 
     def _some_row_is_sparse(self, meta: AttentionMetadata) -> bool:
         """Whether a query of this step sees more than index_topk keys (from the host-side metadata)."""

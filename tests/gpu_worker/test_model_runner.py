@@ -575,3 +575,18 @@ def test_deepseek_sparse_attention_in_tiles_of_one_query(tmp_path, monkeypatch, 
     monkeypatch.setattr(PagedAttention, "forward", nan_where_not_attended)
     _greedy_through_chunks_as_transformers(save_tiny_model(tmp_path, "glm_moe_dsa", index_topk=4,
                                                            num_hidden_layers=3), decode_in_place)
+
+
+@pytest.mark.parametrize("decode_in_place", [True, False], ids=["kernel", "gather"])
+def test_deepseek_sparse_attention_beside_short_decodes(tmp_path, decode_in_place):
+    """A short request decoding within index_topk keys beside a long prompt's later chunks, every query of
+    which is past them (the step's dense pass answering the decodes alone): transformers' greedy tokens."""
+    path = save_tiny_model(tmp_path, "glm_moe_dsa", num_hidden_layers=3)
+    hf = load_hf(path)
+    runner = runner_for(path, decode_in_place, num_blocks=64, block_size=4)
+    sched = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=13)
+    ps = {"short": [17, 18], "long": [(5 * i + 3) % 256 for i in range(40)]}
+    for rid, p in ps.items():
+        sched.add_request(greedy_request(rid, p, 3))
+    got = run_to_completion(sched, runner.execute_model)
+    assert got == {rid: hf_greedy(hf, p, 3) for rid, p in ps.items()}

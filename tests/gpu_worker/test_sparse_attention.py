@@ -14,7 +14,7 @@ from tests.gpu_worker.utils import save_tiny_model
 BLOCK = 4
 
 
-def _step(num_computed: list[int], query_lens: list[int], num_decodes: int):
+def _step(num_computed: list[int], query_lens: list[int], num_decodes: int, decode_in_place: bool = False):
     """The metadata of a step whose request i has num_computed[i] keys cached and query_lens[i] new tokens
     (the first num_decodes requests decoding), each request's blocks its own."""
     seq_lens = np.array(num_computed) + np.array(query_lens)
@@ -29,7 +29,7 @@ def _step(num_computed: list[int], query_lens: list[int], num_decodes: int):
     positions = np.concatenate([np.arange(c, c + q) for c, q in zip(num_computed, query_lens, strict=True)])
     slots = compute_slot_mapping(table, req, positions, BLOCK)
     return build_attention_metadata(table, blocks, qsl, np.array(num_computed), num_decodes, slots, BLOCK,
-                                    torch.device("cpu")), positions
+                                    torch.device("cpu"), decode_in_place=decode_in_place), positions
 
 
 def test_every_query_is_answered_once_densely_or_sparsely(tmp_path):
@@ -52,3 +52,25 @@ def test_every_query_is_answered_once_densely_or_sparsely(tmp_path):
     assert torch.equal(dense.slot_mapping, meta.slot_mapping)  # (every token's row still written)
     short, _ = _step([2, 1], [1, 5], num_decodes=1)
     assert attention._dense_part(short) is short
+
+
+def test_the_dense_pass_returns_every_row_when_it_answers_only_the_decodes(tmp_path):
+    """A short decode beside a chunk whose every query is past index_topk keys (a long prompt's later
+    chunk): the dense pass answers the decode alone, writes every token's row, and still returns a row per
+    token (on both decode paths), the sparse path filling the chunk's."""
+    from gpu_worker.kv_cache import allocate_kv_cache
+
+    config = ModelConfig.from_pretrained(save_tiny_model(tmp_path, "deepseek_v32"))
+    attention = SparseMLAAttention(config)
+    width = attention.attn.head_dim
+    for in_place in (False, True):
+        attention.attn.kv_cache = allocate_kv_cache(1, 8, BLOCK, 1, width, torch.float32, torch.device("cpu"))[0]
+        meta, _ = _step([2, 8], [1, 3], num_decodes=1, decode_in_place=in_place)
+        dense = attention._dense_part(meta)
+        assert dense.num_decodes == 1 and dense.prefills == []
+        q = torch.randn(4, attention.num_heads, width)
+        row = torch.randn(4, 1, width)
+        out = attention.attn.forward(q, row, row, dense)
+        assert out.shape == (4, attention.num_heads * width)
+        written = attention.attn.kv_cache[0].view(-1, width)[meta.slot_mapping]
+        assert torch.equal(written, row[:, 0])

@@ -1184,8 +1184,8 @@ class WorkerHost:
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.worker, method)(*args, **kwargs)
 
-    def apply(self, fn: Any) -> Any:
-        return fn(self.worker)
+    def apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        return fn(self.worker, *args, **kwargs)
 
     def stop(self) -> None:
         import gc
@@ -1209,6 +1209,8 @@ class HostedRank:
         self._host = host
 
     def __getattr__(self, name: str) -> _RemoteMethod:
+        if name.startswith("_") and name != "__ray_call__":  # (no Worker method; copy / pickle probe these)
+            raise AttributeError(name)
         host = self._host
         if name == "__ray_call__":
             return _RemoteMethod(host.apply.remote)
@@ -1253,9 +1255,11 @@ def two_tp_ranks(path: Path, hosts: WorkerHosts | None = None, **worker_kwargs):
     from tests.ports import free_port
 
     started_here = not ray.is_initialized()
+    assert not (started_here and hosts is not None), "kept hosts live in the session's Ray cluster"
     if started_here:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     ranks: list[Any] = []
+    pair: list[Any] = []
     ok = False
     try:
         port = free_port()
@@ -1276,7 +1280,8 @@ def two_tp_ranks(path: Path, hosts: WorkerHosts | None = None, **worker_kwargs):
 
         yield ranks, execute
         if hosts is not None:
-            ray.get([host.stop.remote() for host in hosts.pair()])
+            # (A rank left inside a collective would not stop: then the pair is killed, below.)
+            ray.get([host.stop.remote() for host in pair], timeout=60)
         else:
             ray.get([w.shutdown.remote() for w in ranks])
         ok = True
