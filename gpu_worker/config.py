@@ -2353,7 +2353,7 @@ def _mla_fields(arch: str, cfg: dict[str, Any], scaling: dict[str, Any] | None) 
         # (transformers' AXK1Attention always builds q_a_proj; DSA's indexer reads its queries from it)
         raise ValueError(f"{arch} always has a query LoRA: q_lora_rank must be set")
     v_dim = cfg.get("v_head_dim") or v_default or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
-    return dict(**_dsa_fields(arch, cfg, rope),kv_lora_rank=int(cfg.get("kv_lora_rank") or kv_lora_default),
+    return dict(**_dsa_fields(arch, cfg, rope), kv_lora_rank=int(cfg.get("kv_lora_rank") or kv_lora_default),
                 q_lora_rank=int(q_lora) if q_lora else 0, qk_nope_head_dim=nope, qk_rope_head_dim=rope,
                 v_head_dim=int(v_dim),
                 # (transformers' DeepSeek-V3.2 rotates its attention's values in pairs whatever the key says)
@@ -3026,7 +3026,7 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False
-    # DeepSeek Sparse Attention (DeepSeek-V3.2; index_topk 0: none): an indexer of index_n_heads heads of
+    # DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5; index_topk 0: none): an indexer of index_n_heads heads of
     # index_head_dim values scores each earlier key for each query, which attends to the index_topk
     # best (all of them while it sees no more). The cache row holds the indexer's key after the
     # latent's: head_dim is kv_lora_rank + qk_rope_head_dim + index_head_dim.
