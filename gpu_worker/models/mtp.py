@@ -29,6 +29,7 @@ from gpu_worker.layers.layernorm import RMSNorm
 from gpu_worker.layers.rotary import RotaryEmbedding
 from gpu_worker.layers.weight_utils import WeightLike
 from gpu_worker.models.deepseek import DeepseekDecoderLayer, DeepseekV2ForCausalLM, rotary_rows_in_halves
+from gpu_worker.models.deepseek_v32 import DeepseekV32DecoderLayer
 from gpu_worker.models.llama import Glm4MoeForCausalLM, LlamaDecoderLayer
 
 # The MTP layer's tensors in the checkpoint that the target model's own stand for.
@@ -144,9 +145,17 @@ class DeepSeekMTPModel(MtpForCausalLM):
         return rotary_rows_in_halves(self.config, super().checkpoint_tensors(weights))
 
 
+class DeepSeekV32MTPModel(DeepSeekMTPModel):
+    """DeepSeek-V3.2's MTP layer: its decoder layer, whose attention is DeepSeek Sparse Attention (an
+    indexer of its own over the layer's own cache rows)."""
+
+    layer_class = DeepseekV32DecoderLayer
+
+
 # The architectures whose checkpoints may hold MTP layers -> their MTP drafter (named as vLLM's).
 MTP_DRAFTERS: dict[str, type[MtpForCausalLM]] = {
     "DeepseekV3ForCausalLM": DeepSeekMTPModel,
+    "DeepseekV32ForCausalLM": DeepSeekV32MTPModel,
     "Glm4MoeLiteForCausalLM": DeepSeekMTPModel,  # (GLM-4.7-Flash: latent attention, as DeepSeek-V3's)
     "Glm4MoeForCausalLM": Glm4MoeMTPModel,
 }
@@ -159,8 +168,8 @@ def mtp_config(target: ModelConfig) -> ModelConfig:
 
     name = target.architecture
     if name not in MTP_DRAFTERS or not target.num_mtp_layers:
-        families = ("DeepSeek-V3 / R1 (DeepseekV3ForCausalLM), GLM-4.5 and later (Glm4MoeForCausalLM), GLM-4.7-Flash "
-                    "(Glm4MoeLiteForCausalLM)")
+        families = ("DeepSeek-V3 / R1 (DeepseekV3ForCausalLM), DeepSeek-V3.2 (DeepseekV32ForCausalLM), GLM-4.5 and "
+                    "later (Glm4MoeForCausalLM), GLM-4.7-Flash (Glm4MoeLiteForCausalLM)")
         why = ("its config names no multi-token-prediction layer (num_nextn_predict_layers)"
                if name in MTP_DRAFTERS else
                "its MTP layer attends through an indexer of its own (DeepSeek Sparse Attention), which the "

@@ -23,7 +23,7 @@ def _model(tmp_path, kind: str):
     return path
 
 
-@pytest.mark.parametrize("kind", ["glm4_moe", "deepseek_v3"])
+@pytest.mark.parametrize("kind", ["glm4_moe", "deepseek_v3", "deepseek_v32"])
 def test_mtp_drafts_keep_the_greedy_answers_through_preemption_and_the_prefix_cache(tmp_path, kind):
     check_greedy_answers_with_drafts(_model(tmp_path, kind), MTP, num_gpu_blocks=24)
 

@@ -53,7 +53,8 @@ class MtpReference:
         # (Its one layer routed, as the MTP layer of its number is.)
         (tmp / "mtp_reference" / "config.json").write_text(json.dumps(
             {**config, "num_hidden_layers": 1, "first_k_dense_replace": 0, "num_nextn_predict_layers": 0,
-             **({"mlp_layer_types": ["sparse"]} if "mlp_layer_types" in config else {})}))
+             **({"mlp_layer_types": ["sparse"]} if "mlp_layer_types" in config else {}),
+             **({"layer_types": config["layer_types"][:1]} if "layer_types" in config else {})}))
         self.layer = load_hf(tmp / "mtp_reference")
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -92,8 +93,10 @@ def mtp_runner(path: Path, num_blocks: int, block_size: int, max_num_batched_tok
     return runner
 
 
-@pytest.mark.parametrize("kind", ["glm4_moe", "deepseek_v3", "glm4_moe_lite"])
+@pytest.mark.parametrize("kind", ["glm4_moe", "deepseek_v3", "glm4_moe_lite", "deepseek_v32"])
 def test_every_mtp_draft_is_the_references_through_chunks_and_rejections(kind, tmp_path):
+    """(DeepSeek-V3.2's MTP layer attends sparsely too: its indexer over its own cache, queries past the
+    test model's 6 keys choosing.)"""
     path = save_tiny_model_with_mtp(tmp_path / "model", kind, near_bigram=0.02)
     check_every_draft(mtp_runner(path, 96, 4, 24), MtpReference(path, tmp_path), K)
 
@@ -112,15 +115,17 @@ def test_a_model_without_an_mtp_layer_is_refused(tmp_path):
     llama = ModelConfig.from_pretrained(save_tiny_model(tmp_path / "llama"))
     with pytest.raises(ValueError, match="its architecture has none"):
         mtp_config(llama)
-    v32 = ModelConfig.from_pretrained(save_tiny_model(tmp_path / "v32", "deepseek_v32", num_nextn_predict_layers=1))
+    glm5 = ModelConfig.from_pretrained(save_tiny_model(tmp_path / "glm5_mtp", "glm_moe_dsa",
+                                                       num_nextn_predict_layers=1))
     with pytest.raises(ValueError, match="an indexer of its own"):
-        mtp_config(v32)
+        mtp_config(glm5)
     with pytest.raises(ValueError, match="its architecture has none"):  # (no MTP layer named)
         mtp_config(ModelConfig.from_pretrained(save_tiny_model(tmp_path / "glm5", "glm_moe_dsa")))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("kind", "expert_parallel"), [("glm4_moe", True), ("deepseek_v3", False)])
+@pytest.mark.parametrize(("kind", "expert_parallel"), [("glm4_moe", True), ("deepseek_v3", False),
+                                                      ("deepseek_v32", True)])
 def test_two_tensor_parallel_ranks_draft_as_one(tmp_path, kind, expert_parallel, tp_hosts):
     """The MTP layer shards over the target's two workers (its experts split by width or by expert,
     its latent attention by heads); the sampling rank shares what it accepted and sampled: the same

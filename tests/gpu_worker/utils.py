@@ -1017,8 +1017,9 @@ def save_tiny_model_with_mtp(path: Path, kind: str, seed: int = 0, near_bigram: 
     save_tiny_model(path, kind, seed, num_hidden_layers=layers + 1, **overrides)
     config = json.loads((path / "config.json").read_text())
     config.update(num_hidden_layers=layers, num_nextn_predict_layers=1)
-    if isinstance(config.get("mlp_layer_types"), list):  # (GLM-4.7-Flash's: the decoder's layers alone)
-        config["mlp_layer_types"] = config["mlp_layer_types"][:layers]
+    for key in ("mlp_layer_types", "layer_types"):  # (GLM-4.7-Flash's, DeepSeek-V3.2's: the decoder's layers alone)
+        if isinstance(config.get(key), list):
+            config[key] = config[key][:layers]
     (path / "config.json").write_text(json.dumps(config))
     tensors = load_file(path / "model.safetensors")
     width = config["hidden_size"]
