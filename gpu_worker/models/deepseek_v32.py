@@ -30,7 +30,7 @@ GLM-5 differs in two ways: its indexer's rotary values are in pairs (their rows 
 at load: the query projection's per head, the key projection's and its LayerNorm's, whose statistics
 no order changes), and its config may mark layers "shared": those have no indexer and attend to the
 keys the last indexing layer chose for the same query (the choices of a step kept on the model,
-``SharedTopk``; their cache rows' indexer values stay zero).
+``SparseStep``; their cache rows' indexer values stay zero).
 """
 
 from __future__ import annotations
@@ -58,13 +58,20 @@ _VALUES_PER_TILE = 1 << 24
 
 
 @dataclass
-class SharedTopk:
-    """The last indexing layer's choices, for the layers sharing them (GLM-5): per token row of the
-    step, the index_topk key positions ([tokens, index_topk] int64, or more rows: the buffer is kept)
-    and which of them are keys it sees (bool). Only the rows that take the sparse path are written
-    (those of a chunk past index_topk keys, every decode row once one is), and only they are read: both
-    layers decide them from the same metadata."""
+class SparseStep:
+    """What a model's sparse layers derive from a step's metadata, once for all of them (the model gives
+    its layers one; the first layer to run in a step fills it): whether a query sees more than
+    index_topk keys, the metadata of the dense pass (the others' queries left out), the decode rows'
+    key counts. And, where layers share a choice (GLM-5: ``record_choices``), the last indexing layer's:
+    per token row, the index_topk key positions ([tokens, index_topk] int64, or more rows: the buffer is
+    kept) and which of them are keys it sees (bool). Only the rows that take the sparse path are written
+    (those of a chunk past index_topk keys, every decode row once one is), and only they are read."""
 
+    meta: AttentionMetadata | None = None
+    any_sparse: bool = False
+    dense: AttentionMetadata | None = None
+    decode_counts: torch.Tensor | None = None
+    record_choices: bool = False
     chosen: torch.Tensor | None = None
     seen: torch.Tensor | None = None
 
@@ -113,20 +120,20 @@ class SparseMLAAttention(MLAAttention):
         self.index_topk, self.index_dim = config.index_topk, config.index_head_dim
         # The cache row: [latent, rotary key, indexer key].
         self.latent_width = self.kv_lora + self.rope
-        # Where an indexing layer leaves its choices for the layers sharing them (set by the model
-        # when some layer shares; None: nobody reads them).
-        self.shared_topk: SharedTopk | None = None
+        # What the step's metadata gives every sparse layer of the model (the model's layers share one).
+        self.step = SparseStep()
 
     def attend(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, q_resid: torch.Tensor | None,
                query: torch.Tensor, key: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         assert q_resid is not None  # (ModelConfig requires DSA's query bottleneck)
         num_tokens, heads, width = query.shape[0], self.num_heads, self.attn.head_dim
+        step = self._step_of(meta)
         index_q = weights = None
         if self.indexer is None:
             index_k = key.new_zeros(num_tokens, 1, self.index_dim)
         else:
             index_k = self.indexer.key(rope, hidden)
-            if self._some_row_is_sparse(meta):  # (the queries only score keys past index_topk)
+            if step.any_sparse:  # (the queries only score keys past index_topk)
                 index_q, weights = self.indexer.queries(rope, hidden, q_resid)
         padded = query.new_zeros(num_tokens, heads, width)
         padded[..., : self.latent_width] = query
@@ -134,16 +141,34 @@ class SparseMLAAttention(MLAAttention):
         # that see at most index_topk keys attend densely, the others are then attended over their
         # chosen keys (their rows of ``out`` left to that).
         row = torch.cat((key, index_k), dim=-1)
-        out = self.attn.forward(padded, row, row, self._dense_part(meta)).view(num_tokens, heads, width)
-        self._sparse_rows(padded, index_q, weights, meta, out)
+        out = self.attn.forward(padded, row, row, step.dense).view(num_tokens, heads, width)
+        if step.any_sparse:
+            self._sparse_rows(padded, index_q, weights, meta, out)
         return out.view(num_tokens, heads * width)
+
+    def _step_of(self, meta: AttentionMetadata) -> SparseStep:
+        """The model's SparseStep, filled for ``meta`` by the first sparse layer that runs with it."""
+        step = self.step
+        if step.meta is not meta:
+            topk, nd = self.index_topk, meta.num_decodes
+            step.meta = meta
+            step.any_sparse = ((nd > 0 and meta.decode_max_seq_len > topk)
+                               or any(span.num_keys > topk for span in meta.prefills))
+            step.dense = self._dense_part(meta) if step.any_sparse else meta
+            step.decode_counts = None
+            if nd and meta.decode_max_seq_len > topk:
+                if meta.decode_seq_lens is not None:
+                    step.decode_counts = meta.decode_seq_lens
+                elif meta.decode_mask is None:
+                    step.decode_counts = torch.full((nd,), meta.decode_max_seq_len, device=meta.slot_mapping.device)
+                else:
+                    step.decode_counts = meta.decode_mask.view(nd, -1).sum(-1)
+        return step
 
     def _dense_part(self, meta: AttentionMetadata) -> AttentionMetadata:
         """The step's metadata without the queries the sparse path answers: no decode rows once one of
         them sees more than index_topk keys, and each prefill chunk cut before its first query that
-        does (the slots of every token kept: all are written). The step's own when none does."""
-        if not self._some_row_is_sparse(meta):
-            return meta
+        does (the slots of every token kept: all are written)."""
         topk = self.index_topk
         spans = []
         for span in meta.prefills:
@@ -166,11 +191,6 @@ class SparseMLAAttention(MLAAttention):
                                        windowed=None)
         return dataclasses.replace(meta, prefills=spans, windowed=None)
 
-    def _some_row_is_sparse(self, meta: AttentionMetadata) -> bool:
-        """Whether a query of this step sees more than index_topk keys (from the host-side metadata)."""
-        return ((meta.num_decodes > 0 and meta.decode_max_seq_len > self.index_topk)
-                or any(span.num_keys > self.index_topk for span in meta.prefills))
-
     def _sparse_rows(self, query: torch.Tensor, index_q: torch.Tensor | None, weights: torch.Tensor | None,
                      meta: AttentionMetadata, out: torch.Tensor) -> None:
         """Overwrite ``out``'s rows of the queries that see more than index_topk keys with their
@@ -181,13 +201,8 @@ class SparseMLAAttention(MLAAttention):
         cache, topk, dtype = self.attn.kv_cache[0], self.index_topk, query.dtype
         index_heads = self.indexer.num_heads if self.indexer is not None else 1
         nd = meta.num_decodes
-        if nd and meta.decode_max_seq_len > topk:
-            if meta.decode_seq_lens is not None:
-                counts = meta.decode_seq_lens
-            elif meta.decode_mask is None:
-                counts = torch.full((nd,), meta.decode_max_seq_len, device=query.device)
-            else:
-                counts = meta.decode_mask.view(nd, -1).sum(-1)
+        counts = self.step.decode_counts
+        if counts is not None:
             # Each decode row reads its own blocks (a tile of rows at a time).
             num_keys = meta.decode_max_seq_len
             rows = max(1, _VALUES_PER_TILE // (num_keys * max(self.attn.head_dim, index_heads)))
@@ -227,10 +242,10 @@ class SparseMLAAttention(MLAAttention):
         attention over the index_topk keys its indexer scores best (a row seeing fewer keeps them all)."""
         num_rows, num_keys = counts.shape[0], keys.shape[-2]
         last = first + num_rows
+        step = self.step
         if index_q is None or weights is None or index_keys is None:
-            assert self.shared_topk is not None and self.shared_topk.chosen is not None \
-                and self.shared_topk.seen is not None
-            chosen, seen = self.shared_topk.chosen[first:last], self.shared_topk.seen[first:last]
+            assert step.chosen is not None and step.seen is not None
+            chosen, seen = step.chosen[first:last], step.seen[first:last]
         else:
             scores = torch.matmul(index_q[first:last], index_keys.transpose(-1, -2)).relu_()  # [R, index heads, N]
             index = torch.matmul(weights[first:last].unsqueeze(1), scores).squeeze(1)  # [R, N]
@@ -239,15 +254,14 @@ class SparseMLAAttention(MLAAttention):
             best, chosen = index.topk(min(self.index_topk, num_keys), dim=-1)  # [R, k]
             # (A row seeing fewer than k keys keeps all of them; the -inf picks beside them are masked.)
             seen = best > float("-inf")
-            shared = self.shared_topk
-            if shared is not None:  # (for the layers sharing this choice: rows past index_topk keys choose k)
-                if shared.chosen is None or shared.chosen.shape[0] < query.shape[0]:
+            if step.record_choices:  # (for the layers sharing this choice: rows past index_topk keys choose k)
+                if step.chosen is None or step.chosen.shape[0] < query.shape[0]:
                     # (kept across steps: a sharing layer reads only rows its indexing layer wrote this step)
-                    shared.chosen = query.new_empty(query.shape[0], self.index_topk, dtype=torch.int64)
-                    shared.seen = query.new_empty(query.shape[0], self.index_topk, dtype=torch.bool)
-                assert shared.seen is not None
-                shared.chosen[first:last] = chosen
-                shared.seen[first:last] = seen
+                    step.chosen = query.new_empty(query.shape[0], self.index_topk, dtype=torch.int64)
+                    step.seen = query.new_empty(query.shape[0], self.index_topk, dtype=torch.bool)
+                assert step.seen is not None
+                step.chosen[first:last] = chosen
+                step.seen[first:last] = seen
         rows = torch.gather(keys.expand(num_rows, -1, -1), 1,
                             chosen.unsqueeze(-1).expand(-1, -1, keys.shape[-1]))  # [R, k, width]
         out = eager_attention(query[first:last].unsqueeze(1), rows.unsqueeze(1), rows.unsqueeze(1),
@@ -262,6 +276,14 @@ class DeepseekV32DecoderLayer(DeepseekDecoderLayer):
 class DeepseekV32Model(LlamaModel):
     layer_class = DeepseekV32DecoderLayer
 
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        # (One SparseStep for the layers: each step's metadata read once, an indexing layer's choice
+        # recorded for the layers sharing it.)
+        step = SparseStep(record_choices=any(config.indexer_shared_layers))
+        for layer in self.layers[self.stage.start:self.stage.end]:
+            layer.self_attn.step = step
+
 
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
     model_class = DeepseekV32Model
@@ -270,14 +292,10 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
 class GlmMoeDsaModel(DeepseekV32Model):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
-        if any(config.indexer_shared_layers):
-            if config.indexer_shared_layers[self.stage.start]:
-                raise ValueError(f"pipeline stage of layers {self.stage.start}..{self.stage.end - 1} starts with a "
-                                 f"layer sharing an earlier layer's top-k keys (indexer_types 'shared'), which "
-                                 f"another stage chooses: split the layers at an indexing ('full') layer")
-            shared = SharedTopk()
-            for layer in self.layers[self.stage.start:self.stage.end]:
-                layer.self_attn.shared_topk = shared
+        if any(config.indexer_shared_layers) and config.indexer_shared_layers[self.stage.start]:
+            raise ValueError(f"pipeline stage of layers {self.stage.start}..{self.stage.end - 1} starts with a "
+                             f"layer sharing an earlier layer's top-k keys (indexer_types 'shared'), which "
+                             f"another stage chooses: split the layers at an indexing ('full') layer")
 
 
 class GlmMoeDsaForCausalLM(DeepseekV32ForCausalLM):

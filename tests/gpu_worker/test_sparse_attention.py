@@ -40,7 +40,7 @@ def test_every_query_is_answered_once_densely_or_sparsely(tmp_path):
     assert config.index_topk == 6
     attention = SparseMLAAttention(config)
     meta, positions = _step([2, 8, 4, 0], [1, 1, 5, 5], num_decodes=2)
-    dense = attention._dense_part(meta)
+    dense = attention._step_of(meta).dense
     assert dense.num_decodes == 0 and dense.decode_block_table is None and dense.decode_seq_lens is None
     cut, whole = dense.prefills
     assert (cut.token_start, cut.token_end, cut.num_keys) == (2, 4, 6) and cut.mask.shape == (2, 6)
@@ -51,7 +51,7 @@ def test_every_query_is_answered_once_densely_or_sparsely(tmp_path):
     assert answered_densely | sparse == set(range(len(positions))) and not answered_densely & sparse
     assert torch.equal(dense.slot_mapping, meta.slot_mapping)  # (every token's row still written)
     short, _ = _step([2, 1], [1, 5], num_decodes=1)
-    assert attention._dense_part(short) is short
+    assert attention._step_of(short).dense is short
 
 
 def test_the_dense_pass_returns_every_row_when_it_answers_only_the_decodes(tmp_path):
@@ -66,7 +66,7 @@ def test_the_dense_pass_returns_every_row_when_it_answers_only_the_decodes(tmp_p
     for in_place in (False, True):
         attention.attn.kv_cache = allocate_kv_cache(1, 8, BLOCK, 1, width, torch.float32, torch.device("cpu"))[0]
         meta, _ = _step([2, 8], [1, 3], num_decodes=1, decode_in_place=in_place)
-        dense = attention._dense_part(meta)
+        dense = attention._step_of(meta).dense
         assert dense.num_decodes == 1 and dense.prefills == []
         q = torch.randn(4, attention.num_heads, width)
         row = torch.randn(4, 1, width)
