@@ -21,6 +21,7 @@ time, and "same tokens" is the share of greedy tokens on which both sides agree.
     .venv/bin/python benchmarks/bench_model_runner.py --granite-hybrid  # Granite 4.0-H: Mamba-2 layers
     .venv/bin/python benchmarks/bench_model_runner.py --nemotron-h  # Nemotron-H: Mamba-2, MLP, attention blocks
     .venv/bin/python benchmarks/bench_model_runner.py --qwen3-next  # Qwen3-Next: Gated DeltaNet, gated attention
+    .venv/bin/python benchmarks/bench_model_runner.py --kimi-linear  # Kimi-Linear: Kimi Delta Attention, MLA
     .venv/bin/python benchmarks/bench_model_runner.py --lfm2  # LFM2: gated short convolutions, a few attention layers
     .venv/bin/python benchmarks/bench_model_runner.py --falcon-h1  # Falcon-H1: attention and Mamba-2 in every layer
     .venv/bin/python benchmarks/bench_model_runner.py --jamba  # Jamba: Mamba-1 layers, every eighth attending
@@ -60,7 +61,11 @@ model of SmolLM2's width: Mamba-2 and relu^2 MLP blocks alternating, every fifth
 attention one instead. With --qwen3-next, as a Qwen3-Next model of SmolLM2's width: three Gated
 DeltaNet layers (4 key heads of 64, each for 2 value heads of 64) to one gated attention layer (64-wide
 heads, RoPE over a quarter of each), then --experts (8 by default) routed experts of half SmolLM2's
-MLP width beside a gated shared expert of that width. With --lfm2, as an LFM2 model of SmolLM2's
+MLP width beside a gated shared expert of that width. With --kimi-linear, as a Kimi-Linear model of
+SmolLM2's width: Kimi Delta Attention in three layers of four (9 heads of 64: a decay per key
+channel), MLA without positions in the fourth (9 heads, a 256-value latent plus 32 unrotated values,
+64 + 32 query/key values and 64 value values a head), then --experts (8 by default) routed experts of
+half SmolLM2's MLP width beside a shared one, the first layer dense. With --lfm2, as an LFM2 model of SmolLM2's
 shapes: gated short convolutions (3 taps) in three layers of four, attention with q/k norms in the
 fourth, SmolLM2's MLP in each. With --falcon-h1, as a Falcon-H1 model of SmolLM2's shapes: every
 layer's attention and a Mamba-2 mixer (12 heads of 64, states of 128) side by side, Falcon-H1-0.5B's
@@ -118,6 +123,8 @@ from transformers import (
     GraniteMoeHybridForCausalLM,
     JambaConfig,
     JambaForCausalLM,
+    KimiLinearConfig,
+    KimiLinearForCausalLM,
     Lfm2Config,
     Lfm2ForCausalLM,
     LlamaConfig,
@@ -261,6 +268,8 @@ def main() -> None:
                     help="run the random model as a dense Granite 4.0-H (Mamba-2 layers, every tenth attending)")
     ap.add_argument("--qwen3-next", action="store_true",
                     help="run the random model as Qwen3-Next (Gated DeltaNet layers, gated attention, experts)")
+    ap.add_argument("--kimi-linear", action="store_true",
+                    help="run the random model as Kimi-Linear (Kimi Delta Attention layers, MLA, experts)")
     ap.add_argument("--lfm2", action="store_true",
                     help="run the random model as LFM2 (gated short convolutions, every fourth layer attending)")
     ap.add_argument("--falcon-h1", action="store_true",
@@ -372,6 +381,16 @@ def main() -> None:
                   "num_experts": args.experts or 8, "num_experts_per_tok": args.experts_per_token,
                   "moe_intermediate_size": width, "shared_expert_intermediate_size": width, "norm_topk_prob": True}
         hf, model_config, weights = random_source(Qwen3NextForCausalLM, Qwen3NextConfig, shapes, device, dtype)
+    elif args.model == "random" and args.kimi_linear:
+        layers = SMOLLM2_135M["num_hidden_layers"]
+        shapes = {**SMOLLM2_135M, "architectures": ["KimiLinearForCausalLM"], "num_key_value_heads": 9,
+                  "kv_lora_rank": 256, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64,
+                  "q_lora_rank": None, "linear_num_heads": 9, "linear_head_dim": 64,
+                  "layer_types": ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)],
+                  "num_local_experts": args.experts or 8, "num_experts_per_tok": args.experts_per_token,
+                  "moe_intermediate_size": SMOLLM2_135M["intermediate_size"] // 2, "n_shared_experts": 1,
+                  "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2}  # (not 163k-vocabulary ids)
+        hf, model_config, weights = random_source(KimiLinearForCausalLM, KimiLinearConfig, shapes, device, dtype)
     elif args.model == "random" and args.lfm2:
         layers = SMOLLM2_135M["num_hidden_layers"]
         shapes = {**SMOLLM2_135M, "architectures": ["Lfm2ForCausalLM"], "block_auto_adjust_ff_dim": False,
@@ -437,7 +456,8 @@ def main() -> None:
     kinds = {"gemma2": args.gemma2, "gpt-oss": args.gpt_oss, "glm4-moe": args.glm4_moe, "deepseek-v3": args.deepseek_v3,
              "deepseek-v32": args.deepseek_v32,
              "minimax-m2": args.minimax_m2, "granite-hybrid": args.granite_hybrid, "nemotron-h": args.nemotron_h,
-             "qwen3-next": args.qwen3_next, "lfm2": args.lfm2, "falcon-h1": args.falcon_h1,
+             "qwen3-next": args.qwen3_next, "kimi-linear": args.kimi_linear, "lfm2": args.lfm2,
+             "falcon-h1": args.falcon_h1,
              "jamba": args.jamba, "zamba2": args.zamba2, "gpt2": args.gpt2, "bloom": args.bloom,
              "gemma4": args.gemma4}
     kind = "".join(f" as {name}" for name, chosen in kinds.items() if chosen)

@@ -34,7 +34,13 @@ from gpu_worker.gemma4_config import (
     gemma4_layer_types,
 )
 from gpu_worker.layers.rotary import yarn_mscale
-from gpu_worker.mamba_config import GatedDeltaNetConfig, Mamba1Config, Mamba2Config, ShortConvConfig
+from gpu_worker.mamba_config import (
+    GatedDeltaNetConfig,
+    KimiDeltaAttentionConfig,
+    Mamba1Config,
+    Mamba2Config,
+    ShortConvConfig,
+)
 from gpu_worker.quantized_checkpoint import weight_quantization
 from gpu_worker.vision_config import (
     GEMMA3_VL_ARCHITECTURES,
@@ -107,7 +113,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "HyperCLOVAXForCausalLM", "AXK1ForCausalLM", "NanoChatForCausalLM",
                            "Kolibri1ForCausalLM", "FlintForCausalLM", "BeamForCausalLM", "BitNetForCausalLM",
                            "JetMoeForCausalLM", "LongcatFlashForCausalLM", "BioGptForCausalLM", "XGLMForCausalLM",
-                           "ModernBertDecoderForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
+                           "ModernBertDecoderForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
+                           "KimiLinearForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -139,7 +146,7 @@ _DSA_DEFAULTS = {"DeepseekV32ForCausalLM": (64, 128, 2048), "GlmMoeDsaForCausalL
 # MLA's models: DeepSeek's, MiniCPM3 (MLA with RoPE in halves, dense MLPs, muP-style scalings) and
 # GLM-4.7-Flash (Glm4MoeLiteForCausalLM: DeepSeek-V3's attention with GLM-4.5's experts).
 MLA_ARCHITECTURES = (*DEEPSEEK_ARCHITECTURES, "MiniCPM3ForCausalLM", "Glm4MoeLiteForCausalLM", "YoutuForCausalLM",
-                     "AXK1ForCausalLM", "LongcatFlashForCausalLM", "GlmMoeDsaForCausalLM")
+                     "AXK1ForCausalLM", "LongcatFlashForCausalLM", "GlmMoeDsaForCausalLM", "KimiLinearForCausalLM")
 # transformers' defaults of each: (qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank, q_lora_rank,
 # v_head_dim; None: hidden_size / num_attention_heads).
 _MLA_DEFAULTS = {"DeepseekV2ForCausalLM": (128, 64, 512, 1536, 128), "DeepseekV3ForCausalLM": (128, 64, 512, 1536, 128),
@@ -147,7 +154,8 @@ _MLA_DEFAULTS = {"DeepseekV2ForCausalLM": (128, 64, 512, 1536, 128), "DeepseekV3
                  "MiniCPM3ForCausalLM": (64, 32, 256, 768, None), "Glm4MoeLiteForCausalLM": (192, 64, 512, 768, 256),
                  "YoutuForCausalLM": (128, 64, 512, 1536, 128), "AXK1ForCausalLM": (128, 64, 512, 1536, 128),
                  "LongcatFlashForCausalLM": (128, 64, 512, 1536, 128),
-                 "GlmMoeDsaForCausalLM": (192, 64, 512, 2048, 256)}
+                 "GlmMoeDsaForCausalLM": (192, 64, 512, 2048, 256),
+                 "KimiLinearForCausalLM": (128, 64, 512, None, 128)}
 # transformers' GptOssConfig defaults for the keys a GPT-OSS config may leave out (gpt-oss-20b's and
 # -120b's configs state them, but for swiglu_alpha; the experts' are _moe_from_dict's).
 GPT_OSS_DEFAULTS = {"head_dim": 64, "sliding_window": 128, "attention_bias": True, "rms_norm_eps": 1e-5,
@@ -1388,6 +1396,79 @@ def _olmo_hybrid_config(cfg: dict[str, Any]) -> dict[str, Any]:
             "linear_value_head_dim": int(cfg.get("linear_value_head_dim") or 2 * key_dim)}
 
 
+# transformers' KimiLinearConfig defaults (Kimi-Linear-48B-A3B's geometry), in DeepSeek-V3's key names.
+KIMI_LINEAR_DEFAULTS = {"vocab_size": 163840, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 27,
+                        "num_attention_heads": 32, "rms_norm_eps": 1e-5, "max_position_embeddings": 1048576,
+                        "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+                        "q_lora_rank": None}
+# Kimi-Linear's released key -> DeepSeek-V3's (transformers' KimiLinearConfig attribute_map, reversed).
+_KIMI_LINEAR_KEYS = {"num_experts": "n_routed_experts", "num_experts_per_token": "num_experts_per_tok",
+                     "num_shared_experts": "n_shared_experts", "moe_renormalize": "norm_topk_prob",
+                     "num_expert_group": "n_group", "model_max_length": "max_position_embeddings"}
+
+
+def _kimi_linear_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Kimi-Linear's config (as released: its experts' own key names, the linear attention's geometry
+    and layers in linear_attn_config, 1-indexed; or as transformers' KimiLinearConfig saves it:
+    layer_types, linear_num_heads, ...) in DeepSeek-V3's terms and ours: the layer kinds as
+    layer_types (by default every fourth from layer 4 full attention, as transformers'), the
+    linear attention's geometry as linear_num_heads / linear_head_dim / linear_conv_kernel_dim.
+    Its MLA rotates nothing (mla_use_nope): its RoPE keys are not read. What the released models do
+    not have and transformers does not build is refused: RoPE in the MLA, an output gate on it,
+    another router activation than the sigmoid, KDA's full-rank gate or gate lower bound."""
+    linear = cfg.get("linear_attn_config") or {}
+    if cfg.get("mla_use_nope") is False:
+        raise ValueError("KimiLinearForCausalLM with RoPE in its MLA (mla_use_nope false) is not served")
+    if cfg.get("mla_use_output_gate"):
+        raise ValueError("KimiLinearForCausalLM with an output gate on its MLA (mla_use_output_gate) is not served")
+    if (cfg.get("moe_router_activation_func") or "sigmoid") != "sigmoid":
+        raise ValueError("KimiLinearForCausalLM is served with sigmoid routing (moe_router_activation_func), got "
+                         f"{cfg['moe_router_activation_func']!r}")
+    if linear.get("use_full_rank_gate") or linear.get("gate_lower_bound") is not None:
+        raise ValueError("Kimi Delta Attention with a full-rank gate or a gate lower bound (linear_attn_config's "
+                         "use_full_rank_gate, gate_lower_bound) is not served")
+    renamed = {_KIMI_LINEAR_KEYS.get(k, k): v for k, v in cfg.items() if v is not None or k == "q_lora_rank"}
+    # (transformers' Kimi-Linear never ties its head, whatever tie_word_embeddings says.)
+    cfg = {**KIMI_LINEAR_DEFAULTS, **renamed, "tie_word_embeddings": False,
+           "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+    cfg = {k: v for k, v in cfg.items() if k not in ("rope_theta", "rope_scaling")}  # (unread: nothing rotates)
+    num_layers = int(cfg["num_hidden_layers"])
+    kinds = cfg.get("layer_types")
+    if not isinstance(kinds, list):
+        if "full_attn_layers" in linear and "kda_layers" in linear:
+            kinds = [None] * num_layers
+            base = int(linear.get("kda_layer_index_base", 1))  # (as released: from 1)
+            for kind, key in (("full_attention", "full_attn_layers"), ("linear_attention", "kda_layers")):
+                for number in linear[key]:
+                    if not base <= int(number) < num_layers + base:
+                        raise ValueError(f"linear_attn_config's {key} numbers layers from {base} to "
+                                         f"{num_layers + base - 1}, got {number}")
+                    kinds[int(number) - base] = kind
+        else:
+            kinds = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(num_layers)]
+    return {**cfg, "layer_types": kinds,
+            "linear_num_heads": int(linear.get("num_heads") or cfg.get("linear_num_heads") or 32),
+            "linear_head_dim": int(linear.get("head_dim") or cfg.get("linear_head_dim") or 128),
+            "linear_conv_kernel_dim": int(linear.get("short_conv_kernel_size") or cfg.get("linear_conv_kernel_dim")
+                                          or 4)}
+
+
+def _kimi_linear_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """Kimi-Linear's layer kinds (KDA where layer_types says linear_attention, MLA where it says
+    full_attention), its KDA geometry, and no layer rotating."""
+    if arch != "KimiLinearForCausalLM":
+        return {}
+    kinds = cfg["layer_types"]
+    if len(kinds) != num_layers or set(kinds) - {"linear_attention", "full_attention"}:
+        raise ValueError(f"layer_types (or linear_attn_config's kda_layers and full_attn_layers) must name each of "
+                         f"the {num_layers} layers 'linear_attention' or 'full_attention', got {kinds!r}")
+    return {"mamba": KimiDeltaAttentionConfig(num_heads=int(cfg["linear_num_heads"]),
+                                              head_dim=int(cfg["linear_head_dim"]),
+                                              conv_kernel=int(cfg["linear_conv_kernel_dim"])),
+            "mamba_layers": tuple(kind == "linear_attention" for kind in kinds),
+            "rope_layers": (False,) * num_layers}
+
+
 def _bamba_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """Bamba's config in Granite 4.0's terms (Granite 4.0-H grew out of it: the same Mamba-2 keys and
     layers): its attention layers (attn_layer_indices) as layer_types, RoPE over the first
@@ -2357,8 +2438,9 @@ def _mla_fields(arch: str, cfg: dict[str, Any], scaling: dict[str, Any] | None) 
                 q_lora_rank=int(q_lora) if q_lora else 0, qk_nope_head_dim=nope, qk_rope_head_dim=rope,
                 v_head_dim=int(v_dim),
                 # (transformers' DeepSeek-V3.2 rotates its attention's values in pairs whatever the key says)
-                rope_interleave=arch != "MiniCPM3ForCausalLM" and (arch in _DSA_DEFAULTS
-                                                                    or bool(cfg.get("rope_interleave", True))),
+                # (Kimi-Linear's MLA rotates nothing: its rotary rows are read as they stand.)
+                rope_interleave=arch not in ("MiniCPM3ForCausalLM", "KimiLinearForCausalLM")
+                and (arch in _DSA_DEFAULTS or bool(cfg.get("rope_interleave", True))),
                 attention_multiplier=scale)
 
 
@@ -2557,7 +2639,7 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
                     swiglu_limit=float(cfg.get("swiglu_limit") or 7.0))
     if arch in ("Glm4MoeForCausalLM", *DEEPSEEK_ARCHITECTURES, "Dots1ForCausalLM", "MiniCPM5MoeForCausalLM",
                 "Glm4MoeLiteForCausalLM", "ExaoneMoeForCausalLM", "SolarOpenForCausalLM", "AXK1ForCausalLM",
-                "GlmMoeDsaForCausalLM"):
+                "GlmMoeDsaForCausalLM", "KimiLinearForCausalLM"):
         # Routed experts from layer first_k_dense_replace on (dense MLPs of intermediate_size below;
         # DeepSeek's every moe_layer_freq-th layer; MiniCPM5-MoE's and GLM-4.7-Flash's where
         # mlp_layer_types says "sparse"), beside n_shared_experts shared ones. GLM-4.5 and 4.7-Flash,
@@ -2581,7 +2663,8 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
                     "Glm4MoeLiteForCausalLM": (64, 1536, 4, 1, 1.8),
                     "ExaoneMoeForCausalLM": (64, 1024, 8, 1, 2.5),
                     "SolarOpenForCausalLM": (128, 1280, 8, 0, 1.0),
-                    "AXK1ForCausalLM": (192, 2048, 8, 1, 2.5)}[arch]
+                    "AXK1ForCausalLM": (192, 2048, 8, 1, 2.5),
+                    "KimiLinearForCausalLM": (256, 1024, 8, 1, 2.446)}[arch]
         num_experts = read("n_routed_experts", defaults[0], "num_local_experts", "num_experts")
         width = read("moe_intermediate_size", defaults[1])
         # (transformers' defaults: DeepSeek-V3's and A.X-K1's 8 groups, 4 kept)
@@ -2609,11 +2692,11 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
         # (K-EXAONE's are apart, under mtp.*, and not read; MiniCPM5-MoE has none.)
         # (A.X-K1's transformers config has no MTP key: any layers after the decoder's are not read.)
         no_mtp = v2 or arch in ("ExaoneMoeForCausalLM", "MiniCPM5MoeForCausalLM", "SolarOpenForCausalLM",
-                                "AXK1ForCausalLM")
+                                "AXK1ForCausalLM", "KimiLinearForCausalLM")
         num_mtp = 0 if no_mtp else int(cfg.get("num_nextn_predict_layers") or 0)
         moe_layers = tuple(i >= first_moe and i % every == 0 for i in range(num_layers + num_mtp))
         if arch in ("MiniCPM5MoeForCausalLM", "Glm4MoeLiteForCausalLM", "ExaoneMoeForCausalLM", "AXK1ForCausalLM",
-                    *_DSA_DEFAULTS) and isinstance(cfg.get("mlp_layer_types"), list):
+                    "KimiLinearForCausalLM", *_DSA_DEFAULTS) and isinstance(cfg.get("mlp_layer_types"), list):
             kinds = cfg["mlp_layer_types"]
             if len(kinds) != num_layers or not set(kinds) <= {"dense", "sparse"}:
                 raise ValueError(f"mlp_layer_types must name 'dense' or 'sparse' for each of the {num_layers} "
@@ -2962,7 +3045,7 @@ class ModelConfig:
     # The recurrent mixers (Granite 4.0-H's and Nemotron-H's Mamba-2, Qwen3-Next's Gated DeltaNet,
     # LFM2's short convolution):
     # their geometry, and per layer whether it is one (in place of self-attention; empty: none is).
-    mamba: Mamba2Config | Mamba1Config | GatedDeltaNetConfig | ShortConvConfig | None = None
+    mamba: Mamba2Config | Mamba1Config | GatedDeltaNetConfig | KimiDeltaAttentionConfig | ShortConvConfig | None = None
     # Gemma 3n's AltUp streams, LAuReL, per-layer inputs, KV sharing and sparse gates (gemma3n_config).
     gemma3n: Gemma3nConfig | None = None
     # Gemma 4's layers of their own heads, KV sharing, per-layer inputs and experts (gemma4_config).
@@ -3380,6 +3463,8 @@ class ModelConfig:
             cfg = _granite_swa_config(arch, cfg)
         if arch == "OlmoHybridForCausalLM":
             cfg = _olmo_hybrid_config(cfg)
+        if arch == "KimiLinearForCausalLM":
+            cfg = _kimi_linear_config(cfg)
         if arch in ("Kolibri1ForCausalLM", "FlintForCausalLM"):
             cfg = _kolibri1_flint_config(arch, cfg)
         if arch == "BeamForCausalLM":
@@ -3645,6 +3730,7 @@ class ModelConfig:
             **hybrid,
             **_nemotron_h_fields(arch, cfg),
             **_qwen3_next_fields(arch, cfg, num_layers),
+            **_kimi_linear_fields(arch, cfg, num_layers),
             **_lfm2_fields(arch, cfg, num_layers),
             **_falcon_h1_fields(arch, cfg, num_layers),
             **_jamba_fields(arch, cfg, num_layers),

@@ -1,6 +1,6 @@
 """The recurrent mixers' geometry, as a model config states it (read by gpu_worker.config): Mamba-2's,
-Gated DeltaNet's and LFM2's short convolution's, each with the per-request state shapes the model
-runner allocates and the name its layers go by in messages (``layer_name``)."""
+Gated DeltaNet's, Kimi Delta Attention's and LFM2's short convolution's, each with the per-request
+state shapes the model runner allocates and the name its layers go by in messages (``layer_name``)."""
 
 from __future__ import annotations
 
@@ -146,6 +146,42 @@ class GatedDeltaNetConfig(_RecurrentState):
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return (self.conv_dim, self.conv_kernel - 1), (self.num_v_heads, self.head_k_dim, self.head_v_dim)
 
+
+
+@dataclass(frozen=True)
+class KimiDeltaAttentionConfig(_RecurrentState):
+    """A Kimi Delta Attention mixer's geometry (Kimi-Linear's linear-attention layers: its
+    linear_attn_config's num_heads, head_dim, short_conv_kernel_size). Queries, keys and values have
+    num_heads heads of head_dim each (no grouping); a request's state is [num_heads, head_dim,
+    head_dim] beside the convolution's last inputs of q, k and v."""
+
+    layer_name: ClassVar[str] = "Kimi Delta Attention"
+
+    num_heads: int
+    head_dim: int
+    conv_kernel: int
+    # The prefill scan's chunk: its per-channel decays make each chunk's pairwise factors [heads,
+    # chunk, chunk, head_dim], so a smaller chunk than Gated DeltaNet's bounds that temporary.
+    chunk_size: int = 32
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """The convolution's channels: q, k, then v."""
+        return 3 * self.key_dim
+
+    def per_rank(self, tp_size: int) -> KimiDeltaAttentionConfig:
+        """One tensor-parallel rank's share: num_heads / tp heads."""
+        if self.num_heads % tp_size:
+            raise ValueError(f"Kimi Delta Attention's {self.num_heads} heads cannot be split evenly over "
+                             f"tensor_parallel_size={tp_size}")
+        return dataclasses.replace(self, num_heads=self.num_heads // tp_size)
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return (self.conv_dim, self.conv_kernel - 1), (self.num_heads, self.head_dim, self.head_dim)
 
 
 @dataclass(frozen=True)

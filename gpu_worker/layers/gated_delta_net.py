@@ -16,6 +16,8 @@ exp(G_C) S0 + sum_j exp(G_C - G_j) k_j u_j^T.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,6 +27,10 @@ from gpu_worker.layers.linear import ColumnParallelLinear, RowParallelLinear, tp
 from gpu_worker.layers.mamba import DepthwiseConv, MambaState, MambaStepMetadata, causal_conv, rank_rows
 from gpu_worker.layers.weight_utils import copy_into, load_sharded
 from gpu_worker.mamba_config import GatedDeltaNetConfig
+
+# A sequence's chunked delta rule: (q, k, v, g, beta, state, chunk_size) -> (outputs, state after).
+ChunkScan = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int],
+                     tuple[torch.Tensor, torch.Tensor]]
 
 
 def delta_rule_chunk_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -57,13 +63,33 @@ def delta_rule_chunk_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
 
 def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token of each of R requests (fp32): q, k [R, H, Dk], v [R, H, Dv], g, beta [R, H], state
+    """One token of each of R requests (fp32): q, k [R, H, Dk], v [R, H, Dv], beta [R, H], the log
+    decay g [R, H] (one per head) or [R, H, Dk] (one per key channel: Kimi Delta Attention's), state
     [R, H, Dk, Dv], updated in place (no temporary of its size). Returns the outputs [R, H, Dv] and
     the state."""
-    state.mul_(torch.exp(g)[..., None, None])
+    decay = torch.exp(g)
+    state.mul_(decay[..., None] if decay.dim() == k.dim() else decay[..., None, None])
     recalled = torch.einsum("rhd,rhdv->rhv", k, state)
     state.addcmul_(k[..., :, None], ((v - recalled) * beta[..., None])[..., None, :])
     return torch.einsum("rhd,rhdv->rhv", q, state), state
+
+
+def run_delta_rule(state: MambaState, step: MambaStepMetadata, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   g: torch.Tensor, beta: torch.Tensor, chunk_scan: ChunkScan, chunk_size: int) -> torch.Tensor:
+    """A pass's delta rule (q, k, v [T, H, D], g and beta per token, fp32): the decodes' tokens as one
+    batch through the recurrence, each prefill chunk through ``chunk_scan`` from its row's state; the
+    rows' states updated in ``state``. Returns the outputs [T, H, Dv]."""
+    out = torch.empty_like(v)
+    if step.decode_tokens is not None:
+        rows, idx = step.decode_rows, step.decode_tokens
+        o, states = delta_rule_step(q.index_select(0, idx), k.index_select(0, idx), v.index_select(0, idx),
+                                    g.index_select(0, idx), beta.index_select(0, idx), state.gather_ssm(rows))
+        state.scatter_ssm(rows, states)
+        out.index_copy_(0, idx, o)
+    for start, end, row in step.prefills:
+        out[start:end], state.ssm[row] = chunk_scan(q[start:end], k[start:end], v[start:end], g[start:end],
+                                                    beta[start:end], state.ssm[row].float(), chunk_size)
+    return out
 
 
 def _l2_normed(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -141,18 +167,7 @@ class GatedDeltaNet(nn.Module):
         if m.beta_scale != 1.0:
             beta = beta * m.beta_scale
         g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
-        out = torch.empty_like(v)
-        if step.decode_tokens is not None:
-            rows, idx = step.decode_rows, step.decode_tokens
-            o, state = delta_rule_step(q.index_select(0, idx), k.index_select(0, idx), v.index_select(0, idx),
-                                       g.index_select(0, idx), beta.index_select(0, idx),
-                                       self.state.gather_ssm(rows))
-            self.state.scatter_ssm(rows, state)
-            out.index_copy_(0, idx, o)
-        for start, end, row in step.prefills:
-            out[start:end], self.state.ssm[row] = delta_rule_chunk_scan(
-                q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end],
-                self.state.ssm[row].float(), m.chunk_size)
+        out = run_delta_rule(self.state, step, q, k, v, g, beta, delta_rule_chunk_scan, m.chunk_size)
         # RMSNorm over each value head (its weight applied in the model's dtype), then times silu(z).
         normed = self.norm.forward(out.to(hidden.dtype).reshape(-1, m.head_v_dim)).view(out.shape)
         gated = normed.float() * F.silu(z.float())

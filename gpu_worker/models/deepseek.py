@@ -56,6 +56,8 @@ class MLAAttention(nn.Module):
         hidden, heads = config.hidden_size, config.num_attention_heads
         self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         self.kv_lora = config.kv_lora_rank
+        # (Kimi-Linear's MLA rotates nothing: its rope part is a plain part of the key, shared by the heads.)
+        self.rotates = not config.rope_layers or config.rope_layers[layer]
         qk = self.nope + self.rope
         # (The latent norms' epsilon is RMSNorm's default, 1e-6, whatever rms_norm_eps says: in DeepSeek's
         # own code and in transformers' for every MLA family; vLLM reads rms_norm_eps.)
@@ -91,8 +93,9 @@ class MLAAttention(nn.Module):
         c = self.kv_a_layernorm.forward(latent[:, : self.kv_lora].contiguous())
         k_pe = latent[:, self.kv_lora:].reshape(num_tokens, 1, self.rope)
         q_pe = q[..., nope:]
-        RotaryEmbedding.rotate_(q_pe, rope[0], rope[1])
-        RotaryEmbedding.rotate_(k_pe, rope[0], rope[1])
+        if self.rotates:
+            RotaryEmbedding.rotate_(q_pe, rope[0], rope[1])
+            RotaryEmbedding.rotate_(k_pe, rope[0], rope[1])
         w = self.kv_b_proj.weight.view(heads, nope + self.v_dim, self.kv_lora)
         # Each head's query in the latent's space: [heads, tokens, nope] @ [heads, nope, kv_lora].
         q_latent = torch.bmm(q[..., :nope].transpose(0, 1), w[:, :nope]).transpose(0, 1)

@@ -22,11 +22,11 @@ from gpu_worker.attn_metadata import AttentionMetadata
 from gpu_worker.config import ModelConfig
 from gpu_worker.layers.gated_delta_net import GatedDeltaNet
 from gpu_worker.layers.layernorm import RMSNorm
-from gpu_worker.layers.weight_utils import WeightLike, materialize
+from gpu_worker.layers.weight_utils import WeightLike
 from gpu_worker.mamba_config import GatedDeltaNetConfig
 from gpu_worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from gpu_worker.models.olmo2 import Olmo2DecoderLayer
-from gpu_worker.models.renamed_checkpoint import rename_parts
+from gpu_worker.models.renamed_checkpoint import joined_parts, rename_parts
 
 
 class OlmoHybridGatedDeltaNet(GatedDeltaNet):
@@ -76,19 +76,5 @@ class OlmoHybridForCausalLM(LlamaForCausalLM):
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         """Its names as ours, each linear-attention layer's q, k and v projections (and, as released, their
         convolutions) joined as they arrive."""
-        waiting: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
-        for name, tensor in weights:
-            found = next(((ours, part) for ours, parts in self._JOINED.items() for part in parts
-                          if name.endswith(part)), None)
-            if found is None:
-                yield rename_parts(name, self._RENAMED), tensor
-                continue
-            ours, part = found
-            layer = name[: -len(part)]
-            parts = waiting.setdefault((layer, ours), {})
-            parts[part] = materialize(tensor)
-            if len(parts) == 3:
-                del waiting[(layer, ours)]
-                yield layer + ours, torch.cat([parts[p] for p in self._JOINED[ours]])
-        if waiting:
-            raise KeyError(f"the checkpoint gives only some of the q, k and v tensors {sorted(waiting)}")
+        for name, tensor in joined_parts(weights, self._JOINED):
+            yield rename_parts(name, self._RENAMED), tensor

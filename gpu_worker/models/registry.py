@@ -58,6 +58,7 @@ from gpu_worker.models.internlm import InternLM2ForCausalLM, InternLM3ForCausalL
 from gpu_worker.models.internvl import internvl_class
 from gpu_worker.models.jamba import JambaForCausalLM
 from gpu_worker.models.jetmoe import JetMoeForCausalLM
+from gpu_worker.models.kimi_linear import KimiLinearForCausalLM
 from gpu_worker.models.laguna import LagunaForCausalLM, MellumForCausalLM
 from gpu_worker.models.language_model_only import language_model_class
 from gpu_worker.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM, Lfm3ForCausalLM
@@ -249,6 +250,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GPTNeoForCausalLM": GPTNeoForCausalLM,
     "CodeGenForCausalLM": CodeGenForCausalLM,
     "OlmoHybridForCausalLM": OlmoHybridForCausalLM,
+    "KimiLinearForCausalLM": KimiLinearForCausalLM,
     "BertModel": BertModel,
     "RobertaModel": RobertaModel,
     "ModernBertModel": ModernBertModel,

@@ -30,6 +30,30 @@ def rename_first(name: str, renames: tuple[tuple[str, str], ...]) -> str:
     return name
 
 
+def joined_parts(weights: Iterable[tuple[str, WeightLike]],
+                 joined: dict[str, tuple[str, ...]]) -> Iterator[tuple[str, WeightLike]]:
+    """The checkpoint with each layer's tensors named by ``joined``'s parts (ours -> the name endings of
+    the tensors whose rows it holds, in order: OLMo Hybrid's and Kimi-Linear's q, k and v projections
+    and convolutions) yielded as one tensor under ours once all of them have come; the others as they
+    stand."""
+    waiting: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        found = next(((ours, part) for ours, parts in joined.items() for part in parts if name.endswith(part)),
+                     None)
+        if found is None:
+            yield name, tensor
+            continue
+        ours, part = found
+        layer = name[: -len(part)]
+        parts = waiting.setdefault((layer, ours), {})
+        parts[part] = materialize(tensor)
+        if len(parts) == len(joined[ours]):
+            del waiting[(layer, ours)]
+            yield layer + ours, torch.cat([parts[p] for p in joined[ours]])
+    if waiting:
+        raise KeyError(f"the checkpoint gives only some of the tensors joined as {sorted(waiting)}")
+
+
 def per_head_qkv(fused: torch.Tensor, heads: int, head_dim: int) -> tuple[torch.Tensor, ...]:
     """Rows of [heads, (q, k, v), head_dim] (a weight, a bias or a LoRA B: GPT-NeoX's query_key_value)
     as q's, k's and v's."""

@@ -299,9 +299,10 @@ def test_parallel_engines_are_refused_before_workers_start(tmp_path, parallel, r
 @pytest.mark.slow
 @pytest.mark.parametrize("kind, groups", [("granitemoehybrid", 2), ("granitemoehybrid", 1), ("nemotron_h_moe", 2),
                                          ("qwen3_next", 0), ("qwen3_5", 0), ("lfm2_moe", 0), ("falcon_h1", 2),
-                                         ("jamba", 0), ("zamba2", 2), ("lfm3", 0), ("olmo_hybrid", 0)],
+                                         ("jamba", 0), ("zamba2", 2), ("lfm3", 0), ("olmo_hybrid", 0),
+                                         ("kimi_linear", 0)],
                          ids=["groups_split", "one_group_replicated", "nemotron_h_moe", "qwen3_next", "qwen3_5",
-                              "lfm2_moe", "falcon_h1", "jamba", "zamba2", "lfm3", "olmo_hybrid"])
+                              "lfm2_moe", "falcon_h1", "jamba", "zamba2", "lfm3", "olmo_hybrid", "kimi_linear"])
 def test_tp2_over_gloo_equals_tp1(tmp_path, kind, groups, tp_hosts):
     """Two ranks, each with half of the Mamba-2 heads (their in_proj rows, convolution channels, A, D,
     dt bias, norm channels and out_proj columns) and either its half of the groups of B and C or the
@@ -316,7 +317,9 @@ def test_tp2_over_gloo_equals_tp1(tmp_path, kind, groups, tp_hosts):
     heads and MLP width split, each use's adapters' B by the same rows (A whole on both). LFM3: LFM2's
     convolutions split, each rank its query heads' output gates. OLMo Hybrid: each rank one of the two
     key heads with its value heads (its joined q/k/v rows and convolution channels cut as Qwen3.5's),
-    the attention layer's whole-projection q/k norms across the ranks' heads."""
+    the attention layer's whole-projection q/k norms across the ranks' heads. Kimi-Linear: each rank two
+    of the four KDA heads (their q, k, v, decay, write-strength and gate rows, convolution channels, A
+    and dt bias; the low-rank projections whole), half of the MLA's heads over the one latent row."""
     import random
 
     ray = pytest.importorskip("ray")

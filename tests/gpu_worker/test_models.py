@@ -365,6 +365,13 @@ CASES = {
     "qwen3_next": ("qwen3_next", {}),
     "qwen3_next_mqa": ("qwen3_next", {"num_key_value_heads": 1, "full_attention_interval": 2,
                                       "linear_num_key_heads": 4}),
+    # Kimi-Linear: Kimi Delta Attention layers beside MLA without positions, DeepSeek-V3's experts; and
+    # with a query bottleneck, MLA first and last, the second layer's MLP dense; its head tied in the
+    # config (as transformers, not tied).
+    "kimi_linear": ("kimi_linear", {}),
+    "kimi_linear_query_bottleneck": ("kimi_linear", {
+        "q_lora_rank": 16, "layer_types": ["full_attention", "linear_attention", "linear_attention", "full_attention"],
+        "mlp_layer_types": ["sparse", "dense", "sparse", "sparse"], "tie_word_embeddings": True}),
     # Qwen3.5's language model: Qwen3-Next's layers, dense, its linear attention's projections apart.
     "qwen3_5": ("qwen3_5", {}),
     "qwen3_5_moe": ("qwen3_5_moe", {}),
@@ -752,8 +759,8 @@ def test_registry_maps_architectures(tmp_path):
                                    "Kolibri1ForCausalLM", "FlintForCausalLM", "BeamForCausalLM",
                                    "BitNetForCausalLM", "JetMoeForCausalLM", "LongcatFlashForCausalLM",
                                    "BioGptForCausalLM", "XGLMForCausalLM", "ModernBertDecoderForCausalLM",
-                                   "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "BertModel",
-                                   "RobertaModel",
+                                   "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "KimiLinearForCausalLM",
+                                   "BertModel", "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
     assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES) | set(ENCODER_ARCHITECTURES.values())
     assert get_model_class("Qwen2ForCausalLM") is Qwen2ForCausalLM

@@ -576,6 +576,21 @@ def make_config(kind: str = "llama", **overrides):
                                    "topk_group": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
                                    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw,
                                    "num_key_value_heads": kw["num_attention_heads"]})  # (MLA: as many)
+    # Kimi-Linear: Kimi Delta Attention (4 heads of 16, 4 taps) in three layers of four, the second MLA
+    # without positions (as deepseek_v3's but no query bottleneck), then 8 experts (2 a token, sigmoid
+    # scores through the correction bias, scaled by 2.446) beside a shared one, the first layer dense.
+    if kind == "kimi_linear":
+        from transformers import KimiLinearConfig
+
+        kw.pop("num_hidden_layers")
+        return KimiLinearConfig(**{"num_hidden_layers": 4, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+                                   "qk_rope_head_dim": 8, "v_head_dim": 16, "num_local_experts": 8,
+                                   "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
+                                   "linear_num_heads": 4, "linear_head_dim": 16,
+                                   "layer_types": ["linear_attention", "full_attention", "linear_attention",
+                                                   "linear_attention"],
+                                   "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw,
+                                   "num_key_value_heads": kw["num_attention_heads"]})
     # DeepSeek-V3.2: deepseek_v3's layers whose attention is DSA: an indexer of 16 heads of 16 values (8
     # rotated) picks the 6 best keys a query past its sixth token attends to. (No padding token: its zero
     # embedding would score every key 0 for a query of it, a tie any two top-k implementations break apart.)
@@ -897,6 +912,8 @@ def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides)
                     or (kind == "bitnet" and name.endswith("sub_norm.weight")) \
                     or (kind == "jetmoe" and name.endswith(("experts.bias", "mlp.bias", "layernorm.weight"))) \
                     or (kind in ("kolibri1", "flint", "beam") and name.endswith(("norm.weight", "sinks", "gate_bias"))):
+                param.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.5)
+            if kind == "kimi_linear" and name.endswith(("forget_gate.dt_bias", "self_attn.o_norm.weight")):
                 param.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.5)
             if kind == "olmo_hybrid" and name.endswith("layernorm.weight"):  # (its delta rule is touchy: less wide)
                 param.uniform_(0.75, 1.25)
@@ -1322,6 +1339,21 @@ def run_mixer_pass(mixer: torch.nn.Module, pieces: list[tuple[int, torch.Tensor]
 # convolution's window, single tokens batched as decodes. Each piece: (row, first token, end token).
 MIXER_PIECES_PLAN = [[(3, 0, 5), (2, 0, 6)], [(3, 5, 6), (2, 6, 7)], [(2, 7, 8), (3, 6, 8)], [(3, 8, 9), (2, 8, 11)],
                      [(3, 9, 13)]]
+
+
+# The delta-rule mixers' plan: sequences of 12 and 9 tokens, sequence 0 in row 3 (5 + 1 + 2 + 4),
+# sequence 1 in row 2 (1 + 6 + 1 + 1): a first token alone batched as a decode beside a prefill.
+DELTA_RULE_PIECES_PLAN = [[(2, 0, 1), (3, 0, 5)], [(3, 5, 6), (2, 1, 7)], [(2, 7, 8), (3, 6, 8)],
+                          [(2, 8, 9), (3, 8, 12)]]
+
+
+def check_random_delta_rule_mixer_carries_state(mixer: torch.nn.Module, width: int) -> None:
+    """A delta-rule mixer (Gated DeltaNet, Kimi Delta Attention) with random parameters (matrices at
+    0.3, vectors at 0.5) over DELTA_RULE_PIECES_PLAN: each piece's outputs are the whole run's."""
+    with torch.no_grad():
+        for param in mixer.parameters():
+            param.copy_(torch.randn(param.shape) * (0.3 if param.dim() > 1 else 0.5))
+    check_mixer_carries_state(mixer, [torch.randn(12, width), torch.randn(9, width)], DELTA_RULE_PIECES_PLAN)
 
 
 def check_mixer_carries_state(mixer: torch.nn.Module, seqs: list[torch.Tensor],
