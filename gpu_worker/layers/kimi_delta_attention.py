@@ -93,8 +93,9 @@ class KimiDeltaAttention(nn.Module):
         self.g_a_proj = ColumnParallelLinear(hidden_size, full.head_dim, tp_rank=0, tp_size=1)
         self.g_b_proj = ColumnParallelLinear(full.head_dim, full.key_dim)
         self.b_proj = ColumnParallelLinear(hidden_size, full.num_heads)
-        self.A_log = nn.Parameter(torch.empty(m.num_heads), requires_grad=False)
-        self.dt_bias = nn.Parameter(torch.empty(m.key_dim), requires_grad=False)
+        # (In fp32 whatever the model's dtype, as transformers keeps dt_bias: the decay compounds.)
+        self.A_log = nn.Parameter(torch.empty(m.num_heads, dtype=torch.float32), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(m.key_dim, dtype=torch.float32), requires_grad=False)
         # (A_log as released: [1, 1, heads, 1].)
         self.A_log.weight_loader = (lambda p, loaded, shard=None:
                                     load_sharded(p, materialize(loaded).reshape(-1), 0, rank))

@@ -22,7 +22,8 @@ from gpu_worker.models.deepseek import DeepseekDecoderLayer, DeepseekV3ForCausal
 from gpu_worker.models.llama import LlamaModel
 from gpu_worker.models.renamed_checkpoint import joined_parts, rename_parts
 
-_LAYER = re.compile(r"\.layers\.(\d+)\.self_attn\.")
+# (A bare decoder's tensors come without the "model." before "layers.".)
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.")
 
 
 class KimiLinearDecoderLayer(DeepseekDecoderLayer):
@@ -50,4 +51,4 @@ class KimiLinearForCausalLM(DeepseekV3ForCausalLM):
         layer = -1 if found is None else int(found.group(1))
         if not 0 <= layer < self.config.num_hidden_layers or not self.config.layer_is_mamba(layer):
             return name
-        return name[: found.start()] + f".layers.{layer}.mamba." + name[found.end():]
+        return name[: found.start(1)] + f"{layer}.mamba." + name[found.end():]

@@ -405,7 +405,10 @@ class LlamaModel(nn.Module):
         # BLOOM's LayerNorm over the first layer's input (the tokens' embeddings, or those given).
         self.embed_norm = (self.layer_class.norm_class(config.hidden_size, config.rms_norm_eps)
                            if config.embedding_norm and stage.first else None)
-        self.rotary_emb = RotaryEmbedding(config.rotary_dim or config.head_dim, config.max_context_len,
+        # (Where no layer rotates, a table without columns: Kimi-Linear's would be a million rows.)
+        rotates = not config.rope_layers or any(config.rope_layers)
+        self.rotary_emb = RotaryEmbedding((config.rotary_dim or config.head_dim) if rotates else 0,
+                                          config.max_context_len,
                                           config.rope_theta, config.rope_scaling,
                                           mrope_section=config.mrope_section,
                                           mrope_interleaved=config.mrope_interleaved)

@@ -132,3 +132,21 @@ def test_heads_that_do_not_divide_the_ranks_are_refused_before_workers_start(tmp
                                          "tensor_parallel_size=2"):
         create_executor(EngineConfig(model=str(path), device="cpu", num_gpu_blocks=16, tensor_parallel_size=2,
                                      scheduler=SchedulerConfig(max_model_len=64)))
+
+
+def test_kda_layers_tensors_are_read_as_the_recurrent_mixers_whatever_their_prefix():
+    """A KDA layer's ``self_attn`` tensors, under the causal LM's ``model.`` or a bare decoder's names,
+    are its recurrent mixer's; an MLA layer's stay attention's."""
+    from types import SimpleNamespace
+
+    from gpu_worker.config import ModelConfig
+    from gpu_worker.models.kimi_linear import KimiLinearForCausalLM
+
+    model = SimpleNamespace(config=ModelConfig.from_dict(RELEASED))
+    for prefix in ("model.", ""):
+        assert KimiLinearForCausalLM._mixer_name(model, f"{prefix}layers.2.self_attn.q_proj.weight") == (
+            f"{prefix}layers.2.mamba.q_proj.weight")
+        assert KimiLinearForCausalLM._mixer_name(model, f"{prefix}layers.3.self_attn.q_proj.weight") == (
+            f"{prefix}layers.3.self_attn.q_proj.weight")
+        assert KimiLinearForCausalLM._mixer_name(model, f"{prefix}layers.12.self_attn.A_log") == (
+            f"{prefix}layers.12.mamba.A_log")
