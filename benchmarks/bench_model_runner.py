@@ -22,6 +22,7 @@ time, and "same tokens" is the share of greedy tokens on which both sides agree.
     .venv/bin/python benchmarks/bench_model_runner.py --nemotron-h  # Nemotron-H: Mamba-2, MLP, attention blocks
     .venv/bin/python benchmarks/bench_model_runner.py --qwen3-next  # Qwen3-Next: Gated DeltaNet, gated attention
     .venv/bin/python benchmarks/bench_model_runner.py --kimi-linear  # Kimi-Linear: Kimi Delta Attention, MLA
+    .venv/bin/python benchmarks/bench_model_runner.py --minimax  # MiniMax-Text-01 / M1: lightning attention
     .venv/bin/python benchmarks/bench_model_runner.py --lfm2  # LFM2: gated short convolutions, a few attention layers
     .venv/bin/python benchmarks/bench_model_runner.py --falcon-h1  # Falcon-H1: attention and Mamba-2 in every layer
     .venv/bin/python benchmarks/bench_model_runner.py --jamba  # Jamba: Mamba-1 layers, every eighth attending
@@ -65,7 +66,10 @@ MLP width beside a gated shared expert of that width. With --kimi-linear, as a K
 SmolLM2's width: Kimi Delta Attention in three layers of four (9 heads of 64: a decay per key
 channel), MLA without positions in the fourth (9 heads, a 256-value latent plus 32 unrotated values,
 64 + 32 query/key values and 64 value values a head), then --experts (8 by default) routed experts of
-half SmolLM2's MLP width beside a shared one, the first layer dense. With --lfm2, as an LFM2 model of SmolLM2's
+half SmolLM2's MLP width beside a shared one, the first layer dense. With --minimax, as a MiniMax-M1
+model of SmolLM2's shapes: lightning attention (9 heads of 64, a fixed decay per head) in seven layers
+of eight, GQA with RoPE in the eighth, --experts (8 by default) routed experts of SmolLM2's MLP width in
+every layer, MiniMax-M1's residual scales. With --lfm2, as an LFM2 model of SmolLM2's
 shapes: gated short convolutions (3 taps) in three layers of four, attention with q/k norms in the
 fourth, SmolLM2's MLP in each. With --falcon-h1, as a Falcon-H1 model of SmolLM2's shapes: every
 layer's attention and a Mamba-2 mixer (12 heads of 64, states of 128) side by side, Falcon-H1-0.5B's
@@ -129,6 +133,8 @@ from transformers import (
     Lfm2ForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    MiniMaxConfig,
+    MiniMaxForCausalLM,
     MiniMaxM2Config,
     MiniMaxM2ForCausalLM,
     MistralConfig,
@@ -142,6 +148,7 @@ from transformers import (
     Zamba2Config,
     Zamba2ForCausalLM,
 )
+from transformers.models.minimax.modeling_minimax import MiniMaxCache
 
 from engine_core.config import CacheConfig, SchedulerConfig
 from engine_core.request import Request
@@ -168,11 +175,12 @@ _CACHE_KW = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).pa
 
 
 class HFDecoder:
-    """HF's own decode loop: forward with its DynamicCache, greedy argmax, one step per call."""
+    """HF's own decode loop: forward with its DynamicCache (MiniMax's: its own), greedy argmax, one step
+    per call."""
 
     def __init__(self, model: LlamaForCausalLM, prompts: torch.Tensor) -> None:
         self.model = model
-        self.cache = DynamicCache(config=model.config)
+        self.cache = MiniMaxCache() if isinstance(model, MiniMaxForCausalLM) else DynamicCache(config=model.config)
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = model(prompts, **{_CACHE_KW: self.cache}, use_cache=True)
@@ -270,6 +278,8 @@ def main() -> None:
                     help="run the random model as Qwen3-Next (Gated DeltaNet layers, gated attention, experts)")
     ap.add_argument("--kimi-linear", action="store_true",
                     help="run the random model as Kimi-Linear (Kimi Delta Attention layers, MLA, experts)")
+    ap.add_argument("--minimax", action="store_true",
+                    help="run the random model as MiniMax-M1 (lightning attention, every eighth layer GQA, experts)")
     ap.add_argument("--lfm2", action="store_true",
                     help="run the random model as LFM2 (gated short convolutions, every fourth layer attending)")
     ap.add_argument("--falcon-h1", action="store_true",
@@ -391,6 +401,14 @@ def main() -> None:
                   "moe_intermediate_size": SMOLLM2_135M["intermediate_size"] // 2, "n_shared_experts": 1,
                   "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2}  # (not 163k-vocabulary ids)
         hf, model_config, weights = random_source(KimiLinearForCausalLM, KimiLinearConfig, shapes, device, dtype)
+    elif args.model == "random" and args.minimax:
+        layers = SMOLLM2_135M["num_hidden_layers"]
+        scale = 3.5565588200778455  # (MiniMax-M1's alpha of every sublayer)
+        shapes = {**SMOLLM2_135M, "architectures": ["MiniMaxForCausalLM"], "head_dim": 64,
+                  "layer_types": ["full_attention" if i % 8 == 7 else "linear_attention" for i in range(layers)],
+                  "num_local_experts": args.experts or 8, "num_experts_per_tok": args.experts_per_token,
+                  "full_attn_alpha_factor": scale, "linear_attn_alpha_factor": scale, "mlp_alpha_factor": scale}
+        hf, model_config, weights = random_source(MiniMaxForCausalLM, MiniMaxConfig, shapes, device, dtype)
     elif args.model == "random" and args.lfm2:
         layers = SMOLLM2_135M["num_hidden_layers"]
         shapes = {**SMOLLM2_135M, "architectures": ["Lfm2ForCausalLM"], "block_auto_adjust_ff_dim": False,
@@ -456,7 +474,8 @@ def main() -> None:
     kinds = {"gemma2": args.gemma2, "gpt-oss": args.gpt_oss, "glm4-moe": args.glm4_moe, "deepseek-v3": args.deepseek_v3,
              "deepseek-v32": args.deepseek_v32,
              "minimax-m2": args.minimax_m2, "granite-hybrid": args.granite_hybrid, "nemotron-h": args.nemotron_h,
-             "qwen3-next": args.qwen3_next, "kimi-linear": args.kimi_linear, "lfm2": args.lfm2,
+             "qwen3-next": args.qwen3_next, "kimi-linear": args.kimi_linear, "minimax": args.minimax,
+             "lfm2": args.lfm2,
              "falcon-h1": args.falcon_h1,
              "jamba": args.jamba, "zamba2": args.zamba2, "gpt2": args.gpt2, "bloom": args.bloom,
              "gemma4": args.gemma4}

@@ -37,6 +37,7 @@ from gpu_worker.layers.rotary import yarn_mscale
 from gpu_worker.mamba_config import (
     GatedDeltaNetConfig,
     KimiDeltaAttentionConfig,
+    LightningAttentionConfig,
     Mamba1Config,
     Mamba2Config,
     ShortConvConfig,
@@ -114,7 +115,10 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Kolibri1ForCausalLM", "FlintForCausalLM", "BeamForCausalLM", "BitNetForCausalLM",
                            "JetMoeForCausalLM", "LongcatFlashForCausalLM", "BioGptForCausalLM", "XGLMForCausalLM",
                            "ModernBertDecoderForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
-                           "KimiLinearForCausalLM")
+                           "KimiLinearForCausalLM", "MiniMaxForCausalLM", "MiniMaxText01ForCausalLM",
+                           "MiniMaxM1ForCausalLM")
+# MiniMax-Text-01 and MiniMax-M1: transformers' MiniMaxForCausalLM, and the released remote code's names.
+MINIMAX_ARCHITECTURES = ("MiniMaxForCausalLM", "MiniMaxText01ForCausalLM", "MiniMaxM1ForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
 COHERE_ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Language models of Mamba (selective SSM, "Mamba-1") layers alone: state-spaces' Mamba, TII's Falcon-Mamba.
@@ -346,7 +350,7 @@ GPT_OSS_ROPE_DEFAULTS = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
                          "original_max_position_embeddings": 4096}
 # Those whose heads may rotate only their first values (partial_rotary_factor).
 PARTIAL_ROTARY_ARCHITECTURES = ("LagunaForCausalLM", "MiMoV2FlashForCausalLM", "Phi3ForCausalLM", "Glm4MoeForCausalLM",
-                                "MiniMaxM2ForCausalLM",
+                                "MiniMaxM2ForCausalLM", "MiniMaxText01ForCausalLM", "MiniMaxM1ForCausalLM",
                                 "Qwen3NextForCausalLM",
                                 "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "BambaForCausalLM", "Glm4ForCausalLM",
                                 "StableLmForCausalLM", "GlmForCausalLM", "NemotronForCausalLM", "PhiForCausalLM",
@@ -1467,6 +1471,71 @@ def _kimi_linear_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict
                                               conv_kernel=int(cfg["linear_conv_kernel_dim"])),
             "mamba_layers": tuple(kind == "linear_attention" for kind in kinds),
             "rope_layers": (False,) * num_layers}
+
+
+# transformers' MiniMaxConfig defaults.
+MINIMAX_DEFAULTS = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                    "num_attention_heads": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+                    "max_position_embeddings": 131072, "tie_word_embeddings": False, "num_local_experts": 8,
+                    "num_experts_per_tok": 2}
+# The residual scales' keys: transformers', then the released remote code's.
+_MINIMAX_SCALES = (("linear_attn_alpha_factor", "layernorm_linear_attention_alpha"),
+                   ("linear_attn_beta_factor", "layernorm_linear_attention_beta"),
+                   ("full_attn_alpha_factor", "layernorm_full_attention_alpha"),
+                   ("full_attn_beta_factor", "layernorm_full_attention_beta"),
+                   ("mlp_alpha_factor", "layernorm_mlp_alpha"), ("mlp_beta_factor", "layernorm_mlp_beta"))
+
+
+def _minimax_config(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """MiniMax-Text-01's and M1's config in one form: transformers' (MiniMaxForCausalLM: layer_types,
+    full_attn_alpha_factor ...) or the released remote code's (MiniMaxText01ForCausalLM /
+    MiniMaxM1ForCausalLM: attn_type_list, 0 for lightning and 1 for softmax attention, layernorm_*_alpha
+    ...), transformers' defaults where a key is absent (its layer kinds: full attention in the even
+    layers). The RoPE: transformers' turns whole heads, whatever a config says of a partial one (its
+    MiniMaxForCausalLM is read so); the released code turns the first rotary_dim values of each head.
+    Refused, as transformers has neither: postnorm false (the residual taken before each norm), shared
+    experts (shared_intermediate_size)."""
+    cfg = {**MINIMAX_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
+    if cfg.get("postnorm") is False:
+        raise ValueError(f"{arch} with postnorm false (the residual before each norm) is not served: the released "
+                         "models and transformers' take it after")
+    shared = cfg.get("shared_intermediate_size") or 0
+    if (max(shared) if isinstance(shared, list) else shared) > 0:
+        raise ValueError(f"{arch} with shared experts (shared_intermediate_size) is not served")
+    num_layers = int(cfg["num_hidden_layers"])
+    if not isinstance(cfg.get("layer_types"), list):
+        kinds = cfg.get("attn_type_list")
+        cfg["layer_types"] = (["linear_attention" if kind == 0 else "full_attention" for kind in kinds]
+                              if isinstance(kinds, list) else
+                              ["full_attention" if (i + 1) % 2 else "linear_attention" for i in range(num_layers)])
+    for ours, released in _MINIMAX_SCALES:
+        cfg[ours] = float(cfg.get(ours, cfg.get(released, 1.0)))
+    if arch == "MiniMaxForCausalLM":
+        cfg = {k: v for k, v in cfg.items() if k not in ("partial_rotary_factor", "rotary_dim")}
+        if isinstance(cfg.get("rope_parameters"), dict):
+            cfg["rope_parameters"] = {k: v for k, v in cfg["rope_parameters"].items() if k != "partial_rotary_factor"}
+    elif cfg.get("rotary_dim") and cfg.get("partial_rotary_factor") is None:
+        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
+        cfg["partial_rotary_factor"] = int(cfg["rotary_dim"]) / head_dim
+    if not cfg.get("rope_parameters") and cfg.get("rope_theta") is None:
+        cfg["rope_theta"] = 1000000.0  # (transformers' MiniMaxConfig default_theta)
+    return cfg
+
+
+def _minimax_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """MiniMax's layer kinds (lightning attention where layer_types says linear_attention), its
+    lightning attention's geometry (the attention's heads) and its residual scales."""
+    if arch not in MINIMAX_ARCHITECTURES:
+        return {}
+    kinds = cfg["layer_types"]
+    if len(kinds) != num_layers or set(kinds) - {"linear_attention", "full_attention"}:
+        raise ValueError(f"layer_types (or attn_type_list) must name each of the {num_layers} layers "
+                         f"'linear_attention' (0) or 'full_attention' (1), got {kinds!r}")
+    heads = int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+    return {"mamba": LightningAttentionConfig(num_heads=heads, head_dim=head_dim),
+            "mamba_layers": tuple(kind == "linear_attention" for kind in kinds),
+            "minimax_residual_scales": tuple(float(cfg[ours]) for ours, _ in _MINIMAX_SCALES)}
 
 
 def _bamba_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -2624,7 +2693,7 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
         # softmax over the top k logits (the renormalised top k of the softmax).
         return dict(num_experts=read("num_local_experts", 8), num_experts_per_tok=read("num_experts_per_tok", 2),
                     moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True)
-    if arch == "MixtralForCausalLM":
+    if arch in ("MixtralForCausalLM", *MINIMAX_ARCHITECTURES):
         # Every layer routed; the experts' width is intermediate_size; weights always renormalised.
         return dict(num_experts=read("num_local_experts", 8, "num_experts"),
                     num_experts_per_tok=read("num_experts_per_tok", 2),
@@ -3045,7 +3114,8 @@ class ModelConfig:
     # The recurrent mixers (Granite 4.0-H's and Nemotron-H's Mamba-2, Qwen3-Next's Gated DeltaNet,
     # LFM2's short convolution):
     # their geometry, and per layer whether it is one (in place of self-attention; empty: none is).
-    mamba: Mamba2Config | Mamba1Config | GatedDeltaNetConfig | KimiDeltaAttentionConfig | ShortConvConfig | None = None
+    mamba: (Mamba2Config | Mamba1Config | GatedDeltaNetConfig | KimiDeltaAttentionConfig | LightningAttentionConfig
+            | ShortConvConfig | None) = None
     # Gemma 3n's AltUp streams, LAuReL, per-layer inputs, KV sharing and sparse gates (gemma3n_config).
     gemma3n: Gemma3nConfig | None = None
     # Gemma 4's layers of their own heads, KV sharing, per-layer inputs and experts (gemma4_config).
@@ -3054,6 +3124,9 @@ class ModelConfig:
     # layers (Gemma 4's full layers); empty: every layer's are num_key_value_heads and head_dim.
     attention_layer_geometry: tuple[tuple[int, int], ...] = ()
     mamba_layers: tuple[bool, ...] = ()
+    # MiniMax-Text-01's and M1's residual stream of normed values, each sublayer's input (normed) times
+    # alpha plus its output times beta: (linear attention's alpha, beta, full attention's, the MLP's).
+    minimax_residual_scales: tuple[float, ...] = ()
     # Falcon-H1: every layer runs attention and a Mamba-2 mixer side by side on the same input (their
     # outputs summed), so every layer keeps KV as well as a recurrent state.
     parallel_hybrid: bool = False
@@ -3465,6 +3538,8 @@ class ModelConfig:
             cfg = _olmo_hybrid_config(cfg)
         if arch == "KimiLinearForCausalLM":
             cfg = _kimi_linear_config(cfg)
+        if arch in MINIMAX_ARCHITECTURES:
+            cfg = _minimax_config(arch, cfg)
         if arch in ("Kolibri1ForCausalLM", "FlintForCausalLM"):
             cfg = _kolibri1_flint_config(arch, cfg)
         if arch == "BeamForCausalLM":
@@ -3731,6 +3806,7 @@ class ModelConfig:
             **_nemotron_h_fields(arch, cfg),
             **_qwen3_next_fields(arch, cfg, num_layers),
             **_kimi_linear_fields(arch, cfg, num_layers),
+            **_minimax_fields(arch, cfg, num_layers),
             **_lfm2_fields(arch, cfg, num_layers),
             **_falcon_h1_fields(arch, cfg, num_layers),
             **_jamba_fields(arch, cfg, num_layers),

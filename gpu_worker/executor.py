@@ -121,9 +121,9 @@ ALLOW_LONG_MAX_MODEL_LEN_ENV = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
 
 def _mamba_refusal(config: EngineConfig, model_config: ModelConfig) -> str | None:
     """What an engine cannot do for a model with recurrent layers (Mamba, Mamba-2, Gated DeltaNet, Kimi
-    Delta Attention, short convolutions; None: nothing it asks for). Each request's state there covers
-    exactly the tokens computed so far: draft tokens would advance it past rejected ones, and another
-    engine's KV or the prefix cache's would come without it."""
+    Delta Attention, lightning attention, short convolutions; None: nothing it asks for). Each
+    request's state there covers exactly the tokens computed so far: draft tokens would advance it past
+    rejected ones, and another engine's KV or the prefix cache's would come without it."""
     try:
         model_config.mamba.per_rank(config.tensor_parallel_size)
     except ValueError as e:

@@ -1,6 +1,7 @@
 """The recurrent mixers' geometry, as a model config states it (read by gpu_worker.config): Mamba-2's,
-Gated DeltaNet's, Kimi Delta Attention's and LFM2's short convolution's, each with the per-request
-state shapes the model runner allocates and the name its layers go by in messages (``layer_name``)."""
+Gated DeltaNet's, Kimi Delta Attention's, lightning attention's and LFM2's short convolution's, each
+with the per-request state shapes the model runner allocates and the name its layers go by in
+messages (``layer_name``)."""
 
 from __future__ import annotations
 
@@ -182,6 +183,34 @@ class KimiDeltaAttentionConfig(_RecurrentState):
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return (self.conv_dim, self.conv_kernel - 1), (self.num_heads, self.head_dim, self.head_dim)
+
+
+@dataclass(frozen=True)
+class LightningAttentionConfig(_RecurrentState):
+    """A lightning-attention mixer's geometry (MiniMax-Text-01's and MiniMax-M1's linear-attention
+    layers: the attention's num_attention_heads heads of head_dim). A request's state is [num_heads,
+    head_dim, head_dim]; it has no convolution (its conv part is empty)."""
+
+    layer_name: ClassVar[str] = "lightning attention"
+
+    num_heads: int
+    head_dim: int
+    # The prefill scan's chunk (its decay factors are [heads, chunk, chunk]).
+    chunk_size: int = 64
+
+    @property
+    def width(self) -> int:
+        return self.num_heads * self.head_dim
+
+    def per_rank(self, tp_size: int) -> LightningAttentionConfig:
+        """One tensor-parallel rank's share: num_heads / tp heads."""
+        if self.num_heads % tp_size:
+            raise ValueError(f"lightning attention's {self.num_heads} heads cannot be split evenly over "
+                             f"tensor_parallel_size={tp_size}")
+        return dataclasses.replace(self, num_heads=self.num_heads // tp_size)
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return (0,), (self.num_heads, self.head_dim, self.head_dim)
 
 
 @dataclass(frozen=True)

@@ -83,7 +83,8 @@ def run_delta_rule(state: MambaState, step: MambaStepMetadata, q: torch.Tensor, 
     if step.decode_tokens is not None:
         rows, idx = step.decode_rows, step.decode_tokens
         o, states = delta_rule_step(q.index_select(0, idx), k.index_select(0, idx), v.index_select(0, idx),
-                                    g.index_select(0, idx), beta.index_select(0, idx), state.gather_ssm(rows))
+                                    g.index_select(0, idx), beta.index_select(0, idx),
+                                    state.gather_ssm(rows, step.decode_row_span))
         state.scatter_ssm(rows, states)
         out.index_copy_(0, idx, o)
     for start, end, row in step.prefills:

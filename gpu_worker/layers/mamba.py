@@ -36,6 +36,9 @@ class MambaStepMetadata:
     decode_rows: torch.Tensor | None
     # Every longer chunk: (first token, end token, state row).
     prefills: list[tuple[int, int, int]]
+    # (first, end) where the decodes' rows are consecutive and ascending (a steady batch's usual
+    # case): their states are then a slice of each layer's, updated where they lie.
+    decode_row_span: tuple[int, int] | None = None
 
 
 @dataclass
@@ -58,11 +61,18 @@ class MambaState:
         self.conv.index_fill_(0, rows, 0)
         self.ssm.index_fill_(0, rows, 0)
 
-    def gather_ssm(self, rows: torch.Tensor) -> torch.Tensor:
-        """The SSM states of ``rows``, in fp32 (a copy)."""
+    def gather_ssm(self, rows: torch.Tensor, span: tuple[int, int] | None = None) -> torch.Tensor:
+        """The SSM states of ``rows``, in fp32: a copy, or where they are the consecutive rows ``span``
+        of fp32 states, those rows themselves (a step updating them in place is then done with them:
+        scatter_ssm has nothing to copy)."""
+        if span is not None and self.ssm.dtype == torch.float32:
+            return self.ssm.narrow(0, span[0], span[1] - span[0])
         return self.ssm.index_select(0, rows).float()
 
     def scatter_ssm(self, rows: torch.Tensor, states: torch.Tensor) -> None:
+        """``states`` (of ``rows``) stored, unless they are the state rows themselves (gather_ssm's slice)."""
+        if states.untyped_storage().data_ptr() == self.ssm.untyped_storage().data_ptr():
+            return
         self.ssm.index_copy_(0, rows, states.to(self.ssm.dtype))
 
 
@@ -214,7 +224,7 @@ class MambaMixer2(nn.Module):
         if step.decode_tokens is not None:
             rows, tokens = step.decode_rows, step.decode_tokens
             out, state = ssd_step(x.index_select(0, tokens), dt.index_select(0, tokens), a, b.index_select(0, tokens),
-                                  c.index_select(0, tokens), self.state.gather_ssm(rows))
+                                  c.index_select(0, tokens), self.state.gather_ssm(rows, step.decode_row_span))
             self.state.scatter_ssm(rows, state)
             y.index_copy_(0, tokens, out)
         for start, end, row in step.prefills:
@@ -268,9 +278,12 @@ def mamba_step_metadata(rows: np.ndarray, query_start_loc: np.ndarray, device: t
     mixers take them: the one-token requests batched, every longer chunk on its own."""
     lens = np.diff(query_start_loc)
     single = np.flatnonzero(lens == 1)
-    tokens = decode_rows = None
+    tokens = decode_rows = span = None
     if len(single):
         tokens = torch.from_numpy(np.ascontiguousarray(query_start_loc[single], dtype=np.int64)).to(device)
         decode_rows = torch.from_numpy(np.ascontiguousarray(rows[single], dtype=np.int64)).to(device)
+        first = int(rows[single[0]])
+        if np.array_equal(rows[single], np.arange(first, first + len(single))):
+            span = (first, first + len(single))
     prefills = [(int(query_start_loc[i]), int(query_start_loc[i + 1]), int(rows[i])) for i in np.flatnonzero(lens > 1)]
-    return MambaStepMetadata(tokens, decode_rows, prefills)
+    return MambaStepMetadata(tokens, decode_rows, prefills, span)

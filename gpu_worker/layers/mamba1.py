@@ -147,7 +147,7 @@ class MambaMixer(nn.Module):
             rows, tokens = step.decode_rows, step.decode_tokens
             out, state = selective_step(x.index_select(0, tokens), dt.index_select(0, tokens), a,
                                         b.index_select(0, tokens), c.index_select(0, tokens),
-                                        self.state.gather_ssm(rows))
+                                        self.state.gather_ssm(rows, step.decode_row_span))
             self.state.scatter_ssm(rows, state)
             y.index_copy_(0, tokens, out)
         for start, end, row in step.prefills:

@@ -13,17 +13,13 @@ decay's projections under ``forget_gate``, ``mlp``) are read too.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Iterator
 
 from gpu_worker.layers.kimi_delta_attention import KimiDeltaAttention
 from gpu_worker.layers.weight_utils import WeightLike
 from gpu_worker.models.deepseek import DeepseekDecoderLayer, DeepseekV3ForCausalLM
 from gpu_worker.models.llama import LlamaModel
-from gpu_worker.models.renamed_checkpoint import joined_parts, rename_parts
-
-# (A bare decoder's tensors come without the "model." before "layers.".)
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.")
+from gpu_worker.models.renamed_checkpoint import joined_parts, recurrent_mixer_name, rename_parts
 
 
 class KimiLinearDecoderLayer(DeepseekDecoderLayer):
@@ -42,13 +38,6 @@ class KimiLinearForCausalLM(DeepseekV3ForCausalLM):
                                         ".mamba.v_conv1d.weight")}
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
-        renamed = ((rename_parts(self._mixer_name(name), self._RENAMED), tensor) for name, tensor in weights)
+        renamed = ((rename_parts(recurrent_mixer_name(name, self.config), self._RENAMED), tensor)
+                   for name, tensor in weights)
         return joined_parts(renamed, self._JOINED)
-
-    def _mixer_name(self, name: str) -> str:
-        """A KDA layer's ``self_attn`` tensors named as its recurrent mixer's."""
-        found = _LAYER.search(name)
-        layer = -1 if found is None else int(found.group(1))
-        if not 0 <= layer < self.config.num_hidden_layers or not self.config.layer_is_mamba(layer):
-            return name
-        return name[: found.start(1)] + f"{layer}.mamba." + name[found.end():]

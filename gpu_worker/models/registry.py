@@ -98,6 +98,7 @@ from gpu_worker.models.llava import llava_class
 from gpu_worker.models.longcat_flash import LongcatFlashForCausalLM
 from gpu_worker.models.mimo_v2_flash import MiMoV2FlashForCausalLM
 from gpu_worker.models.minicpm5_moe import MiniCPM5MoeForCausalLM
+from gpu_worker.models.minimax import MiniMaxForCausalLM
 from gpu_worker.models.minimax_m2 import MiniMaxM2ForCausalLM
 from gpu_worker.models.modernbert import ModernBertModel
 from gpu_worker.models.modernbert_decoder import ModernBertDecoderForCausalLM
@@ -251,6 +252,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "CodeGenForCausalLM": CodeGenForCausalLM,
     "OlmoHybridForCausalLM": OlmoHybridForCausalLM,
     "KimiLinearForCausalLM": KimiLinearForCausalLM,
+    "MiniMaxForCausalLM": MiniMaxForCausalLM,
+    "MiniMaxText01ForCausalLM": MiniMaxForCausalLM,
+    "MiniMaxM1ForCausalLM": MiniMaxForCausalLM,
     "BertModel": BertModel,
     "RobertaModel": RobertaModel,
     "ModernBertModel": ModernBertModel,

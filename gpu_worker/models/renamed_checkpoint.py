@@ -6,6 +6,7 @@ as the weight's rows (our qkv_proj holds all q rows, then k's, then v's)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -52,6 +53,21 @@ def joined_parts(weights: Iterable[tuple[str, WeightLike]],
             yield layer + ours, torch.cat([parts[p] for p in joined[ours]])
     if waiting:
         raise KeyError(f"the checkpoint gives only some of the tensors joined as {sorted(waiting)}")
+
+
+# A decoder layer's ``self_attn`` tensors, with or without the causal LM's "model." before "layers.".
+_SELF_ATTN_OF_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.")
+
+
+def recurrent_mixer_name(name: str, config: ModelConfig) -> str:
+    """A checkpoint's name with a recurrent layer's ``self_attn`` (Kimi-Linear's and MiniMax's name both
+    mixers so) made its recurrent mixer's, ``mamba``, as the other hybrids name it; any other as it
+    stands."""
+    found = _SELF_ATTN_OF_LAYER.search(name)
+    layer = -1 if found is None else int(found.group(1))
+    if not 0 <= layer < config.num_hidden_layers or not config.layer_is_mamba(layer):
+        return name
+    return name[: found.start(1)] + f"{layer}.mamba." + name[found.end():]
 
 
 def per_head_qkv(fused: torch.Tensor, heads: int, head_dim: int) -> tuple[torch.Tensor, ...]:

@@ -137,16 +137,13 @@ def test_heads_that_do_not_divide_the_ranks_are_refused_before_workers_start(tmp
 def test_kda_layers_tensors_are_read_as_the_recurrent_mixers_whatever_their_prefix():
     """A KDA layer's ``self_attn`` tensors, under the causal LM's ``model.`` or a bare decoder's names,
     are its recurrent mixer's; an MLA layer's stay attention's."""
-    from types import SimpleNamespace
-
     from gpu_worker.config import ModelConfig
-    from gpu_worker.models.kimi_linear import KimiLinearForCausalLM
+    from gpu_worker.models.renamed_checkpoint import recurrent_mixer_name
 
-    model = SimpleNamespace(config=ModelConfig.from_dict(RELEASED))
+    config = ModelConfig.from_dict(RELEASED)
     for prefix in ("model.", ""):
-        assert KimiLinearForCausalLM._mixer_name(model, f"{prefix}layers.2.self_attn.q_proj.weight") == (
+        assert recurrent_mixer_name(f"{prefix}layers.2.self_attn.q_proj.weight", config) == (
             f"{prefix}layers.2.mamba.q_proj.weight")
-        assert KimiLinearForCausalLM._mixer_name(model, f"{prefix}layers.3.self_attn.q_proj.weight") == (
+        assert recurrent_mixer_name(f"{prefix}layers.3.self_attn.q_proj.weight", config) == (
             f"{prefix}layers.3.self_attn.q_proj.weight")
-        assert KimiLinearForCausalLM._mixer_name(model, f"{prefix}layers.12.self_attn.A_log") == (
-            f"{prefix}layers.12.mamba.A_log")
+        assert recurrent_mixer_name(f"{prefix}layers.12.self_attn.A_log", config) == f"{prefix}layers.12.mamba.A_log"

@@ -300,9 +300,10 @@ def test_parallel_engines_are_refused_before_workers_start(tmp_path, parallel, r
 @pytest.mark.parametrize("kind, groups", [("granitemoehybrid", 2), ("granitemoehybrid", 1), ("nemotron_h_moe", 2),
                                          ("qwen3_next", 0), ("qwen3_5", 0), ("lfm2_moe", 0), ("falcon_h1", 2),
                                          ("jamba", 0), ("zamba2", 2), ("lfm3", 0), ("olmo_hybrid", 0),
-                                         ("kimi_linear", 0)],
+                                         ("kimi_linear", 0), ("minimax", 0)],
                          ids=["groups_split", "one_group_replicated", "nemotron_h_moe", "qwen3_next", "qwen3_5",
-                              "lfm2_moe", "falcon_h1", "jamba", "zamba2", "lfm3", "olmo_hybrid", "kimi_linear"])
+                              "lfm2_moe", "falcon_h1", "jamba", "zamba2", "lfm3", "olmo_hybrid", "kimi_linear",
+                              "minimax"])
 def test_tp2_over_gloo_equals_tp1(tmp_path, kind, groups, tp_hosts):
     """Two ranks, each with half of the Mamba-2 heads (their in_proj rows, convolution channels, A, D,
     dt bias, norm channels and out_proj columns) and either its half of the groups of B and C or the
@@ -319,7 +320,9 @@ def test_tp2_over_gloo_equals_tp1(tmp_path, kind, groups, tp_hosts):
     key heads with its value heads (its joined q/k/v rows and convolution channels cut as Qwen3.5's),
     the attention layer's whole-projection q/k norms across the ranks' heads. Kimi-Linear: each rank two
     of the four KDA heads (their q, k, v, decay, write-strength and gate rows, convolution channels, A
-    and dt bias; the low-rank projections whole), half of the MLA's heads over the one latent row."""
+    and dt bias; the low-rank projections whole), half of the MLA's heads over the one latent row.
+    MiniMax: each rank two of the four lightning heads (their q/k/v and gate rows, decay rates and norm
+    weights), the norm's sum of squares across the ranks' heads."""
     import random
 
     ray = pytest.importorskip("ray")
@@ -483,3 +486,29 @@ def test_a_released_falcon_h1_config_is_read():
     assert ModelConfig.from_dict(without).mamba.intermediate_size == 1536
     with pytest.raises(ValueError, match=r"mamba_n_heads \(24\) x mamba_d_head \(64\) must be mamba_d_ssm \(2048\)"):
         ModelConfig.from_dict({**FALCON_H1_0_5B, "mamba_d_ssm": 2048})
+
+
+def test_consecutive_decode_rows_are_updated_where_they_lie():
+    """Decodes in consecutive ascending rows (beside a prefill) give a span whose states the step
+    updates in place, no copy stored back; other orders copy their rows out and back."""
+    import numpy as np
+
+    from gpu_worker.layers.mamba import MambaState, mamba_step_metadata
+
+    qsl = np.array([0, 1, 2, 3, 8])  # three decodes, then a prefill of five tokens
+    spanned = mamba_step_metadata(np.array([4, 5, 6, 1]), qsl, torch.device("cpu"))
+    assert spanned.decode_row_span == (4, 7) and spanned.prefills == [(3, 8, 1)]
+    for rows in ([5, 4, 6, 1], [4, 6, 7, 1]):
+        assert mamba_step_metadata(np.array(rows), qsl, torch.device("cpu")).decode_row_span is None
+    state = MambaState(torch.zeros(8, 0), torch.arange(8.0).view(8, 1).repeat(1, 2))
+    view = state.gather_ssm(spanned.decode_rows, spanned.decode_row_span)
+    view.mul_(10)  # (a step's in-place update)
+    state.scatter_ssm(spanned.decode_rows, view)
+    assert state.ssm[:, 0].tolist() == [0, 1, 2, 3, 40, 50, 60, 7]
+    copied = state.gather_ssm(torch.tensor([6, 4]))
+    copied.add_(1)
+    assert state.ssm[6, 0] == 60  # (a copy: nothing changes until it is stored)
+    state.scatter_ssm(torch.tensor([6, 4]), copied)
+    assert state.ssm[:, 0].tolist() == [0, 1, 2, 3, 41, 50, 61, 7]
+    half = MambaState(torch.zeros(8, 0), torch.zeros(8, 2, dtype=torch.bfloat16))
+    assert half.gather_ssm(spanned.decode_rows, spanned.decode_row_span).dtype == torch.float32  # (a copy)

@@ -372,6 +372,12 @@ CASES = {
     "kimi_linear_query_bottleneck": ("kimi_linear", {
         "q_lora_rank": 16, "layer_types": ["full_attention", "linear_attention", "linear_attention", "full_attention"],
         "mlp_layer_types": ["sparse", "dense", "sparse", "sparse"], "tie_word_embeddings": True}),
+    # MiniMax-Text-01 / M1: lightning attention beside GQA, residual scales per sublayer kind; and
+    # transformers' default layers (full attention in the even ones), multi-query, a partial RoPE stated
+    # (transformers turns whole heads whatever it says).
+    "minimax": ("minimax", {}),
+    "minimax_default_layers_mqa": ("minimax", {"layer_types": None, "num_key_value_heads": 1, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}),
     # Qwen3.5's language model: Qwen3-Next's layers, dense, its linear attention's projections apart.
     "qwen3_5": ("qwen3_5", {}),
     "qwen3_5_moe": ("qwen3_5_moe", {}),
@@ -760,6 +766,7 @@ def test_registry_maps_architectures(tmp_path):
                                    "BitNetForCausalLM", "JetMoeForCausalLM", "LongcatFlashForCausalLM",
                                    "BioGptForCausalLM", "XGLMForCausalLM", "ModernBertDecoderForCausalLM",
                                    "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "KimiLinearForCausalLM",
+                                   "MiniMaxForCausalLM", "MiniMaxText01ForCausalLM", "MiniMaxM1ForCausalLM",
                                    "BertModel", "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
     assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES) | set(ENCODER_ARCHITECTURES.values())

@@ -591,6 +591,19 @@ def make_config(kind: str = "llama", **overrides):
                                                    "linear_attention"],
                                    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw,
                                    "num_key_value_heads": kw["num_attention_heads"]})
+    # MiniMax (-Text-01, -M1): lightning attention in three layers of four, GQA with RoPE in the second,
+    # 4 experts (2 a token) in every layer; residual scales of their own per sublayer kind.
+    if kind == "minimax":
+        from transformers import MiniMaxConfig
+
+        kw.pop("num_hidden_layers")
+        return MiniMaxConfig(**{"num_hidden_layers": 4, "head_dim": 16, "num_local_experts": 4,
+                                "num_experts_per_tok": 2,
+                                "layer_types": ["linear_attention", "full_attention", "linear_attention",
+                                                "linear_attention"],
+                                "linear_attn_alpha_factor": 0.7, "linear_attn_beta_factor": 1.2,
+                                "full_attn_alpha_factor": 1.5, "full_attn_beta_factor": 0.9, "mlp_alpha_factor": 1.3,
+                                "mlp_beta_factor": 1.1, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw})
     # DeepSeek-V3.2: deepseek_v3's layers whose attention is DSA: an indexer of 16 heads of 16 values (8
     # rotated) picks the 6 best keys a query past its sixth token attends to. (No padding token: its zero
     # embedding would score every key 0 for a query of it, a tie any two top-k implementations break apart.)
@@ -913,6 +926,8 @@ def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides)
                     or (kind == "jetmoe" and name.endswith(("experts.bias", "mlp.bias", "layernorm.weight"))) \
                     or (kind in ("kolibri1", "flint", "beam") and name.endswith(("norm.weight", "sinks", "gate_bias"))):
                 param.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.5)
+            if kind == "minimax" and name.endswith("norm.weight"):
+                param.normal_(1.0, 0.5)
             if kind == "kimi_linear" and name.endswith(("forget_gate.dt_bias", "self_attn.o_norm.weight")):
                 param.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.5)
             if kind == "olmo_hybrid" and name.endswith("layernorm.weight"):  # (its delta rule is touchy: less wide)
