@@ -378,9 +378,10 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                             "fp8 (= fp8_e4m3), fp8_e5m2 (one byte per element: 2x (bf16) or 4x (fp32) the KV "
                             "blocks in the same memory).")
     serve.add_argument("--mamba-cache-dtype", choices=list(MAMBA_CACHE_DTYPE_NAMES), default=None,
-                       help="Models with recurrent layers (Mamba, Mamba-2, Gated DeltaNet, short convolutions): the "
-                            "storage dtype of each request's conv and recurrent states. auto: the conv state in "
-                            "the model's dtype, the recurrent state in float32.")
+                       help="Models with recurrent layers (Mamba, Mamba-2, Gated DeltaNet, Kimi Delta Attention, "
+                            "lightning attention, short convolutions): the storage dtype of each request's conv "
+                            "and recurrent states. auto: the conv state in the model's dtype, the recurrent state "
+                            "in float32.")
     serve.add_argument("--mamba-ssm-cache-dtype", choices=list(MAMBA_CACHE_DTYPE_NAMES), default=None,
                        help="The recurrent (SSM) state's storage dtype alone; auto: as --mamba-cache-dtype says. "
                             "bfloat16 halves the states' memory (the scans still compute in float32).")

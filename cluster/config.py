@@ -76,9 +76,10 @@ class EngineSpec(BaseModel):
         None, description="KV cache storage dtype (--kv-cache-dtype): auto is the model's; fp8 stores one byte "
                           "per element, for 2x (bf16 models) or 4x (fp32) the blocks in the same memory.")
     mamba_cache_dtype: MambaCacheDType | None = Field(
-        None, description="Models with recurrent layers (Mamba, Mamba-2, Gated DeltaNet, short convolutions): the "
-                          "storage dtype of their per-request conv and recurrent states (--mamba-cache-dtype); "
-                          "auto: the conv state in the model's dtype, the recurrent state in float32.")
+        None, description="Models with recurrent layers (Mamba, Mamba-2, Gated DeltaNet, Kimi Delta "
+                          "Attention, lightning attention, short convolutions): the storage dtype of their "
+                          "per-request conv and recurrent states (--mamba-cache-dtype); auto: the conv state in "
+                          "the model's dtype, the recurrent state in float32.")
     mamba_ssm_cache_dtype: MambaCacheDType | None = Field(
         None, description="The recurrent (SSM) state's storage dtype alone (--mamba-ssm-cache-dtype); auto: as "
                           "mamba_cache_dtype says. bfloat16 halves the states' memory.")

@@ -422,10 +422,11 @@ class EngineConfig:
     # The KV cache's storage dtype (vLLM's --kv-cache-dtype): "auto" (the model's), "bfloat16", or
     # "fp8" / "fp8_e4m3" / "fp8_e5m2" (one byte per element: more blocks for the same memory).
     kv_cache_dtype: KVCacheDType = "auto"
-    # Models with recurrent layers (Mamba, Mamba-2, Gated DeltaNet, short convolutions): their
-    # per-request states' storage dtypes (vLLM's --mamba-cache-dtype: the conv and recurrent states; and
-    # --mamba-ssm-cache-dtype: the recurrent state alone). "auto": the conv state in the model's
-    # dtype, the recurrent state in fp32 (gpu_worker.mamba_config.resolve_mamba_state_dtypes).
+    # Models with recurrent layers (Mamba, Mamba-2, Gated DeltaNet, Kimi Delta Attention, lightning
+    # attention, short convolutions): their per-request states' storage dtypes (vLLM's
+    # --mamba-cache-dtype: the conv and recurrent states; and --mamba-ssm-cache-dtype: the recurrent
+    # state alone). "auto": the conv state in the model's dtype, the recurrent state in fp32
+    # (gpu_worker.mamba_config.resolve_mamba_state_dtypes).
     mamba_cache_dtype: MambaCacheDType = "auto"
     mamba_ssm_cache_dtype: MambaCacheDType = "auto"
     # Mixture-of-experts models: split the experts over the TP ranks (each holds E / tp of them whole)

@@ -350,7 +350,7 @@ GPT_OSS_ROPE_DEFAULTS = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
                          "original_max_position_embeddings": 4096}
 # Those whose heads may rotate only their first values (partial_rotary_factor).
 PARTIAL_ROTARY_ARCHITECTURES = ("LagunaForCausalLM", "MiMoV2FlashForCausalLM", "Phi3ForCausalLM", "Glm4MoeForCausalLM",
-                                "MiniMaxM2ForCausalLM", "MiniMaxText01ForCausalLM", "MiniMaxM1ForCausalLM",
+                                "MiniMaxM2ForCausalLM", *MINIMAX_ARCHITECTURES,
                                 "Qwen3NextForCausalLM",
                                 "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "BambaForCausalLM", "Glm4ForCausalLM",
                                 "StableLmForCausalLM", "GlmForCausalLM", "NemotronForCausalLM", "PhiForCausalLM",
@@ -1491,34 +1491,47 @@ def _minimax_config(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     full_attn_alpha_factor ...) or the released remote code's (MiniMaxText01ForCausalLM /
     MiniMaxM1ForCausalLM: attn_type_list, 0 for lightning and 1 for softmax attention, layernorm_*_alpha
     ...), transformers' defaults where a key is absent (its layer kinds: full attention in the even
-    layers). The RoPE: transformers' turns whole heads, whatever a config says of a partial one (its
-    MiniMaxForCausalLM is read so); the released code turns the first rotary_dim values of each head.
-    Refused, as transformers has neither: postnorm false (the residual taken before each norm), shared
-    experts (shared_intermediate_size)."""
-    cfg = {**MINIMAX_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
-    if cfg.get("postnorm") is False:
-        raise ValueError(f"{arch} with postnorm false (the residual before each norm) is not served: the released "
-                         "models and transformers' take it after")
+    layers). The RoPE turns the first rotary_dim values of each head (64 of 128 as released: the
+    remote code's and vLLM's reading), or partial_rotary_factor's share; transformers 5.25's MiniMax
+    turns whole heads whatever its config says, as its MiniMax-M2 did before it mapped rotary_dim
+    (transformers#48241), and is followed only where a config states neither.
+    Refused, as transformers has neither: postnorm false (the residual taken before each norm; the
+    remote code's default where a config leaves it out), shared experts (shared_intermediate_size); and a
+    sliding window, which no release has."""
+    heads = cfg.get("num_attention_heads") or MINIMAX_DEFAULTS["num_attention_heads"]
+    kv_heads = cfg["num_key_value_heads"] if "num_key_value_heads" in cfg else MINIMAX_DEFAULTS["num_key_value_heads"]
+    cfg = {**MINIMAX_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None},
+           "num_key_value_heads": kv_heads or heads}  # (stated null: as many as the heads, as transformers reads it)
+    if cfg.get("postnorm", arch == "MiniMaxForCausalLM") is not True:
+        raise ValueError(f"{arch} with postnorm false or unstated (the residual before each norm) is not served: "
+                         "the released models state it true, and transformers' take it after")
+    if cfg.get("sliding_window"):
+        raise ValueError(f"{arch} with a sliding_window is not served")
     shared = cfg.get("shared_intermediate_size") or 0
     if (max(shared) if isinstance(shared, list) else shared) > 0:
         raise ValueError(f"{arch} with shared experts (shared_intermediate_size) is not served")
     num_layers = int(cfg["num_hidden_layers"])
     if not isinstance(cfg.get("layer_types"), list):
         kinds = cfg.get("attn_type_list")
+        if isinstance(kinds, list) and set(kinds) - {0, 1}:
+            raise ValueError(f"attn_type_list must give 0 (lightning) or 1 (softmax attention) for each layer, "
+                             f"got {kinds}")
         cfg["layer_types"] = (["linear_attention" if kind == 0 else "full_attention" for kind in kinds]
                               if isinstance(kinds, list) else
                               ["full_attention" if (i + 1) % 2 else "linear_attention" for i in range(num_layers)])
     for ours, released in _MINIMAX_SCALES:
         cfg[ours] = float(cfg.get(ours, cfg.get(released, 1.0)))
-    if arch == "MiniMaxForCausalLM":
-        cfg = {k: v for k, v in cfg.items() if k not in ("partial_rotary_factor", "rotary_dim")}
-        if isinstance(cfg.get("rope_parameters"), dict):
-            cfg["rope_parameters"] = {k: v for k, v in cfg["rope_parameters"].items() if k != "partial_rotary_factor"}
-    elif cfg.get("rotary_dim") and cfg.get("partial_rotary_factor") is None:
+    params = cfg.get("rope_parameters")
+    stated = cfg.get("partial_rotary_factor") is not None or (isinstance(params, dict)
+                                                               and params.get("partial_rotary_factor") is not None)
+    if cfg.get("rotary_dim") and not stated:
         head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
         cfg["partial_rotary_factor"] = int(cfg["rotary_dim"]) / head_dim
-    if not cfg.get("rope_parameters") and cfg.get("rope_theta") is None:
-        cfg["rope_theta"] = 1000000.0  # (transformers' MiniMaxConfig default_theta)
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and params.get("rope_theta") is None:  # (transformers' MiniMaxConfig default_theta)
+        cfg["rope_parameters"] = {**params, "rope_theta": cfg.get("rope_theta") or 1000000.0}
+    elif not isinstance(params, dict) and cfg.get("rope_theta") is None:
+        cfg["rope_theta"] = 1000000.0
     return cfg
 
 

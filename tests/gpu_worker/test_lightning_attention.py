@@ -128,8 +128,9 @@ def test_a_checkpoint_in_the_released_layout_is_transformers_model(tmp_path):
 
 def test_the_released_layouts_rope_and_refusals():
     """MiniMax-Text-01's own config turns the first rotary_dim values of each head (vLLM's reading; 64 of
-    128); transformers' MiniMaxForCausalLM whole heads whatever it states; the residual taken before the
-    norms (postnorm false) and shared experts are refused."""
+    128), and so does transformers' layout where it states a partial RoPE (transformers 5.25 turns whole
+    heads whatever it states, the bug its MiniMax-M2 had: transformers#48241); the residual taken
+    before the norms (postnorm false), shared experts and a window are refused."""
     from gpu_worker.config import ModelConfig
 
     layers = [0] * 7 + [1]
@@ -149,9 +150,19 @@ def test_the_released_layouts_rope_and_refusals():
         "architectures": ["MiniMaxForCausalLM"], "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}})
-    assert hf_layout.rotary_dim == 16 and hf_layout.mamba_layers == (False, True)
-    for change, refusal in [({"postnorm": False}, "postnorm false"),
-                            ({"shared_intermediate_size": 512}, "shared experts"),
-                            ({"attn_type_list": layers[:-1]}, "must name each of the 8 layers")]:
+    assert hf_layout.rotary_dim == 8 and hf_layout.mamba_layers == (False, True)
+    assert ModelConfig.from_dict({**hf_layout.raw, "rope_parameters": None, "rotary_dim": 4}).rotary_dim == 4
+    # (transformers' defaults: a base of 1e6 where the rope parameters give none; a null KV head count is
+    # the heads' count.)
+    defaults = ModelConfig.from_dict({**hf_layout.raw, "num_key_value_heads": None,
+                                      "rope_parameters": {"rope_type": "default"}})
+    assert defaults.rope_theta == 1000000.0 and defaults.num_key_value_heads == 4 and defaults.rotary_dim == 16
+    unstated = {k: v for k, v in text01.items() if k != "postnorm"}  # (the remote code's default: false)
+    for released, refusal in [({**text01, "postnorm": False}, "postnorm false or unstated"),
+                              (unstated, "postnorm false or unstated"),
+                              ({**text01, "shared_intermediate_size": 512}, "shared experts"),
+                              ({**text01, "sliding_window": 4096}, "sliding_window"),
+                              ({**text01, "attn_type_list": [0] * 7 + [2]}, "0 .lightning. or 1"),
+                              ({**text01, "attn_type_list": layers[:-1]}, "must name each of the 8 layers")]:
         with pytest.raises(ValueError, match=refusal):
-            ModelConfig.from_dict({**text01, **change})
+            ModelConfig.from_dict(released)

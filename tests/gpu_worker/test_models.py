@@ -373,11 +373,9 @@ CASES = {
         "q_lora_rank": 16, "layer_types": ["full_attention", "linear_attention", "linear_attention", "full_attention"],
         "mlp_layer_types": ["sparse", "dense", "sparse", "sparse"], "tie_word_embeddings": True}),
     # MiniMax-Text-01 / M1: lightning attention beside GQA, residual scales per sublayer kind; and
-    # transformers' default layers (full attention in the even ones), multi-query, a partial RoPE stated
-    # (transformers turns whole heads whatever it says).
+    # transformers' default layers (full attention in the even ones), multi-query.
     "minimax": ("minimax", {}),
-    "minimax_default_layers_mqa": ("minimax", {"layer_types": None, "num_key_value_heads": 1, "rope_parameters": {
-        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}),
+    "minimax_default_layers_mqa": ("minimax", {"layer_types": None, "num_key_value_heads": 1}),
     # Qwen3.5's language model: Qwen3-Next's layers, dense, its linear attention's projections apart.
     "qwen3_5": ("qwen3_5", {}),
     "qwen3_5_moe": ("qwen3_5_moe", {}),
