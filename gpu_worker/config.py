@@ -116,7 +116,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "JetMoeForCausalLM", "LongcatFlashForCausalLM", "BioGptForCausalLM", "XGLMForCausalLM",
                            "ModernBertDecoderForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
                            "KimiLinearForCausalLM", "MiniMaxForCausalLM", "MiniMaxText01ForCausalLM",
-                           "MiniMaxM1ForCausalLM")
+                           "MiniMaxM1ForCausalLM", "BailingHybridForCausalLM")
 # MiniMax-Text-01 and MiniMax-M1: transformers' MiniMaxForCausalLM, and the released remote code's names.
 MINIMAX_ARCHITECTURES = ("MiniMaxForCausalLM", "MiniMaxText01ForCausalLM", "MiniMaxM1ForCausalLM")
 # Cohere's Command models (Command-R / R+, Aya; Command-R7B, Command-A): attention beside the MLP.
@@ -150,7 +150,8 @@ _DSA_DEFAULTS = {"DeepseekV32ForCausalLM": (64, 128, 2048), "GlmMoeDsaForCausalL
 # MLA's models: DeepSeek's, MiniCPM3 (MLA with RoPE in halves, dense MLPs, muP-style scalings) and
 # GLM-4.7-Flash (Glm4MoeLiteForCausalLM: DeepSeek-V3's attention with GLM-4.5's experts).
 MLA_ARCHITECTURES = (*DEEPSEEK_ARCHITECTURES, "MiniCPM3ForCausalLM", "Glm4MoeLiteForCausalLM", "YoutuForCausalLM",
-                     "AXK1ForCausalLM", "LongcatFlashForCausalLM", "GlmMoeDsaForCausalLM", "KimiLinearForCausalLM")
+                     "AXK1ForCausalLM", "LongcatFlashForCausalLM", "GlmMoeDsaForCausalLM", "KimiLinearForCausalLM",
+                     "BailingHybridForCausalLM")
 # transformers' defaults of each: (qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank, q_lora_rank,
 # v_head_dim; None: hidden_size / num_attention_heads).
 _MLA_DEFAULTS = {"DeepseekV2ForCausalLM": (128, 64, 512, 1536, 128), "DeepseekV3ForCausalLM": (128, 64, 512, 1536, 128),
@@ -159,7 +160,8 @@ _MLA_DEFAULTS = {"DeepseekV2ForCausalLM": (128, 64, 512, 1536, 128), "DeepseekV3
                  "YoutuForCausalLM": (128, 64, 512, 1536, 128), "AXK1ForCausalLM": (128, 64, 512, 1536, 128),
                  "LongcatFlashForCausalLM": (128, 64, 512, 1536, 128),
                  "GlmMoeDsaForCausalLM": (192, 64, 512, 2048, 256),
-                 "KimiLinearForCausalLM": (128, 64, 512, None, 128)}
+                 "KimiLinearForCausalLM": (128, 64, 512, None, 128),
+                 "BailingHybridForCausalLM": (128, 64, 512, None, 128)}
 # transformers' GptOssConfig defaults for the keys a GPT-OSS config may leave out (gpt-oss-20b's and
 # -120b's configs state them, but for swiglu_alpha; the experts' are _moe_from_dict's).
 GPT_OSS_DEFAULTS = {"head_dim": 64, "sliding_window": 128, "attention_bias": True, "rms_norm_eps": 1e-5,
@@ -1551,6 +1553,72 @@ def _minimax_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str
             "minimax_residual_scales": tuple(float(cfg[ours]) for ours, _ in _MINIMAX_SCALES)}
 
 
+# transformers' BailingHybridConfig defaults (Ling-3.0-Flash's geometry), in DeepSeek-V3's key names.
+BAILING_HYBRID_DEFAULTS = {"vocab_size": 157184, "hidden_size": 2560, "intermediate_size": 6144,
+                           "num_hidden_layers": 42, "num_attention_heads": 32, "rms_norm_eps": 1e-6,
+                           "max_position_embeddings": 262144, "tie_word_embeddings": False, "n_group": 8,
+                           "topk_group": 4, "norm_topk_prob": True, "q_lora_rank": None, "head_dim": 128,
+                           "short_conv_kernel_size": 4, "layer_group_size": 6, "kda_safe_gate": True,
+                           "kda_lower_bound": -5.0, "first_k_dense_replace": 2}
+# Its released keys -> DeepSeek-V3's (transformers' BailingHybridConfig attribute_map, reversed).
+_BAILING_HYBRID_KEYS = {**_KIMI_LINEAR_KEYS, "num_nextn_predict_layers": "num_mtp_layers",
+                        "expert_swiglu_limit_list": "swiglu_limits",
+                        "share_expert_swiglu_limit_list": "shared_swiglu_limits"}
+
+
+def _bailing_hybrid_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """inclusionAI's Ling 3 (BailingHybridForCausalLM: Ling-3.0-Flash) as transformers' BailingHybridConfig
+    reads it, in DeepSeek-V3's terms and ours: its experts' own key names, KDA in every layer but each
+    layer_group_size-th (MLA; layer_types where given), its KDA heads the attention's count of
+    linear_head_dim (else head_dim) values, transformers' defaults where a key is absent. Refused, as
+    transformers builds neither: another MLA gate than one per head, q/k norms, low-rank KDA gates
+    (no_kda_lora false), a shared expert of its own width."""
+    if cfg.get("gated_attention_proj_granularity_type", "head_wise") != "head_wise" or cfg.get("use_qk_norm") \
+            or cfg.get("no_kda_lora") is False:
+        raise ValueError("BailingHybridForCausalLM is served with head-wise MLA gates, no q/k norms and full-rank "
+                         "KDA gates (gated_attention_proj_granularity_type head_wise, use_qk_norm and no_kda_lora "
+                         "as transformers builds them)")
+    renamed = {_BAILING_HYBRID_KEYS.get(k, k): v for k, v in cfg.items() if v is not None or k == "q_lora_rank"}
+    cfg = {**BAILING_HYBRID_DEFAULTS, **renamed}
+    shared = cfg.get("moe_shared_expert_intermediate_size")
+    if shared is not None and int(shared) != int(cfg.get("moe_intermediate_size") or 768) * int(
+            cfg.get("n_shared_experts") or 1):
+        raise ValueError("BailingHybridForCausalLM's shared experts are moe_intermediate_size x num_shared_experts "
+                         f"wide (as transformers builds them), not moe_shared_expert_intermediate_size ({shared})")
+    if not isinstance(cfg.get("rope_parameters"), dict) and cfg.get("rope_theta") is None:
+        cfg["rope_theta"] = 6000000.0
+    num_layers = int(cfg["num_hidden_layers"])
+    if not isinstance(cfg.get("layer_types"), list):
+        every = int(cfg["layer_group_size"])
+        cfg["layer_types"] = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                              for i in range(num_layers)]
+    for key in ("swiglu_limits", "shared_swiglu_limits"):
+        limits = cfg.get(key) or [0] * num_layers
+        if len(limits) != num_layers:
+            raise ValueError(f"{key} must give one limit per decoder layer ({num_layers}), got {len(limits)}")
+        cfg[key] = [float(limit) for limit in limits]
+    return cfg
+
+
+def _bailing_hybrid_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """Ling 3's layer kinds, its KDA geometry (full-rank gates, the safe gate's lower bound), the MLA's
+    head gates and the experts' SwiGLU clips per layer."""
+    if arch != "BailingHybridForCausalLM":
+        return {}
+    kinds = cfg["layer_types"]
+    if len(kinds) != num_layers or set(kinds) - {"linear_attention", "full_attention"}:
+        raise ValueError(f"layer_types must name each of the {num_layers} layers 'linear_attention' or "
+                         f"'full_attention', got {kinds!r}")
+    head_dim = int(cfg.get("linear_head_dim") or cfg["head_dim"])
+    return {"mamba": KimiDeltaAttentionConfig(
+                num_heads=int(cfg["num_attention_heads"]), head_dim=head_dim,
+                conv_kernel=int(cfg["short_conv_kernel_size"]), full_rank_gates=True,
+                gate_lower_bound=float(cfg["kda_lower_bound"]) if cfg["kda_safe_gate"] else None),
+            "mamba_layers": tuple(kind == "linear_attention" for kind in kinds),
+            "mla_head_gate": True, "swiglu_limits": tuple(cfg["swiglu_limits"]),
+            "shared_swiglu_limits": tuple(cfg["shared_swiglu_limits"])}
+
+
 def _bamba_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """Bamba's config in Granite 4.0's terms (Granite 4.0-H grew out of it: the same Mamba-2 keys and
     layers): its attention layers (attn_layer_indices) as layer_types, RoPE over the first
@@ -2521,8 +2589,9 @@ def _mla_fields(arch: str, cfg: dict[str, Any], scaling: dict[str, Any] | None) 
                 v_head_dim=int(v_dim),
                 # (transformers' DeepSeek-V3.2 rotates its attention's values in pairs whatever the key says)
                 # (Kimi-Linear's MLA rotates nothing: its rotary rows are read as they stand.)
+                # (transformers' Ling 3 rotates in pairs whatever the key says, as its DeepSeek-V3.2 does.)
                 rope_interleave=arch not in ("MiniCPM3ForCausalLM", "KimiLinearForCausalLM")
-                and (arch in _DSA_DEFAULTS or bool(cfg.get("rope_interleave", True))),
+                and (arch in (*_DSA_DEFAULTS, "BailingHybridForCausalLM") or bool(cfg.get("rope_interleave", True))),
                 attention_multiplier=scale)
 
 
@@ -2721,7 +2790,7 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
                     swiglu_limit=float(cfg.get("swiglu_limit") or 7.0))
     if arch in ("Glm4MoeForCausalLM", *DEEPSEEK_ARCHITECTURES, "Dots1ForCausalLM", "MiniCPM5MoeForCausalLM",
                 "Glm4MoeLiteForCausalLM", "ExaoneMoeForCausalLM", "SolarOpenForCausalLM", "AXK1ForCausalLM",
-                "GlmMoeDsaForCausalLM", "KimiLinearForCausalLM"):
+                "GlmMoeDsaForCausalLM", "KimiLinearForCausalLM", "BailingHybridForCausalLM"):
         # Routed experts from layer first_k_dense_replace on (dense MLPs of intermediate_size below;
         # DeepSeek's every moe_layer_freq-th layer; MiniCPM5-MoE's and GLM-4.7-Flash's where
         # mlp_layer_types says "sparse"), beside n_shared_experts shared ones. GLM-4.5 and 4.7-Flash,
@@ -2746,11 +2815,13 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
                     "ExaoneMoeForCausalLM": (64, 1024, 8, 1, 2.5),
                     "SolarOpenForCausalLM": (128, 1280, 8, 0, 1.0),
                     "AXK1ForCausalLM": (192, 2048, 8, 1, 2.5),
-                    "KimiLinearForCausalLM": (256, 1024, 8, 1, 2.446)}[arch]
+                    "KimiLinearForCausalLM": (256, 1024, 8, 1, 2.446),
+                    "BailingHybridForCausalLM": (512, 768, 8, 2, 2.5)}[arch]
         num_experts = read("n_routed_experts", defaults[0], "num_local_experts", "num_experts")
         width = read("moe_intermediate_size", defaults[1])
         # (transformers' defaults: DeepSeek-V3's and A.X-K1's 8 groups, 4 kept)
-        grouped = 8 if arch in ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "AXK1ForCausalLM") else 1
+        grouped = 8 if arch in ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "AXK1ForCausalLM",
+                                "BailingHybridForCausalLM") else 1
         groups, kept = read("n_group", grouped) or 1, read("topk_group", grouped // 2 or 1) or 1
         if v2 and cfg.get("topk_method", "greedy") == "greedy":
             groups = kept = 1
@@ -2774,11 +2845,12 @@ def _moe_from_dict(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str,
         # (K-EXAONE's are apart, under mtp.*, and not read; MiniCPM5-MoE has none.)
         # (A.X-K1's transformers config has no MTP key: any layers after the decoder's are not read.)
         no_mtp = v2 or arch in ("ExaoneMoeForCausalLM", "MiniCPM5MoeForCausalLM", "SolarOpenForCausalLM",
-                                "AXK1ForCausalLM", "KimiLinearForCausalLM")
+                                "AXK1ForCausalLM", "KimiLinearForCausalLM", "BailingHybridForCausalLM")
         num_mtp = 0 if no_mtp else int(cfg.get("num_nextn_predict_layers") or 0)
         moe_layers = tuple(i >= first_moe and i % every == 0 for i in range(num_layers + num_mtp))
         if arch in ("MiniCPM5MoeForCausalLM", "Glm4MoeLiteForCausalLM", "ExaoneMoeForCausalLM", "AXK1ForCausalLM",
-                    "KimiLinearForCausalLM", *_DSA_DEFAULTS) and isinstance(cfg.get("mlp_layer_types"), list):
+                    "KimiLinearForCausalLM", "BailingHybridForCausalLM", *_DSA_DEFAULTS) \
+                and isinstance(cfg.get("mlp_layer_types"), list):
             kinds = cfg["mlp_layer_types"]
             if len(kinds) != num_layers or not set(kinds) <= {"dense", "sparse"}:
                 raise ValueError(f"mlp_layer_types must name 'dense' or 'sparse' for each of the {num_layers} "
@@ -3195,6 +3267,12 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False
+    # Ling 3's MLA: each head's output times sigmoid of its own projection of the layer's input (g_proj).
+    mla_head_gate: bool = False
+    # Per layer, the routed experts' and the shared experts' SwiGLU clip (Ling 3's: min(silu(gate), l) x
+    # clamp(up, -l, l); 0: none); empty: none anywhere.
+    swiglu_limits: tuple[float, ...] = ()
+    shared_swiglu_limits: tuple[float, ...] = ()
     # DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5; index_topk 0: none): an indexer of index_n_heads heads of
     # index_head_dim values scores each earlier key for each query, which attends to the index_topk
     # best (all of them while it sees no more). The cache row holds the indexer's key after the
@@ -3553,6 +3631,8 @@ class ModelConfig:
             cfg = _kimi_linear_config(cfg)
         if arch in MINIMAX_ARCHITECTURES:
             cfg = _minimax_config(arch, cfg)
+        if arch == "BailingHybridForCausalLM":
+            cfg = _bailing_hybrid_config(cfg)
         if arch in ("Kolibri1ForCausalLM", "FlintForCausalLM"):
             cfg = _kolibri1_flint_config(arch, cfg)
         if arch == "BeamForCausalLM":
@@ -3820,6 +3900,7 @@ class ModelConfig:
             **_qwen3_next_fields(arch, cfg, num_layers),
             **_kimi_linear_fields(arch, cfg, num_layers),
             **_minimax_fields(arch, cfg, num_layers),
+            **_bailing_hybrid_fields(arch, cfg, num_layers),
             **_lfm2_fields(arch, cfg, num_layers),
             **_falcon_h1_fields(arch, cfg, num_layers),
             **_jamba_fields(arch, cfg, num_layers),

@@ -164,6 +164,11 @@ class KimiDeltaAttentionConfig(_RecurrentState):
     # The prefill scan's chunk: its per-channel decays make each chunk's pairwise factors [heads,
     # chunk, chunk, head_dim], so a smaller chunk than Gated DeltaNet's bounds that temporary.
     chunk_size: int = 32
+    # Ling 3's: the decay's and the output gate's projections whole (f_proj, g_proj) rather than
+    # low-rank (f_a_proj / f_b_proj, g_a_proj / g_b_proj).
+    full_rank_gates: bool = False
+    # Ling 3's "safe" decay: lower_bound * sigmoid(exp(A_log) * x) rather than -exp(A_log) * softplus(x).
+    gate_lower_bound: float | None = None
 
     @property
     def key_dim(self) -> int:

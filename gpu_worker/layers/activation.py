@@ -15,6 +15,23 @@ class SiluAndMul(nn.Module):
         return F.silu(gate).mul_(up)
 
 
+class ClampedSiluAndMul(nn.Module):
+    """min(silu(gate), limit) * clamp(up, -limit, limit) (Ling 3's and Step 3.7's SwiGLU with its clip
+    after the activation)."""
+
+    def __init__(self, limit: float) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return clamped_silu_and_mul(gate, up, self.limit)
+
+
+def clamped_silu_and_mul(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    return F.silu(gate).clamp_(max=limit).mul_(up.clamp(-limit, limit))
+
+
 class GeluAndMul(nn.Module):
     """gelu(x[..., :d]) * x[..., d:] (GeGLU), ``approximate`` "tanh" (Gemma's gelu_pytorch_tanh) or "none"."""
 

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_worker.layers.activation import clamped_silu_and_mul
 from gpu_worker.layers.linear import divide_for_tp, tp_rank_and_size
 from gpu_worker.layers.weight_utils import WeightLike, copy_into
 
@@ -173,9 +174,9 @@ class FusedMoE(nn.Module):
             # What the checkpoint must provide (every expert, on every rank) for the parameter to count
             # as loaded.
             param.expected_shards = {(e, p) for e in range(num_experts) for p in projections}
-        if activation not in ("silu", "swigluoai", "relu2", "gelu_pytorch_tanh"):
-            raise ValueError(f"experts' activation must be 'silu', 'swigluoai', 'relu2' or 'gelu_pytorch_tanh', "
-                             f"got {activation!r}")
+        if activation not in ("silu", "silu_clamped", "swigluoai", "relu2", "gelu_pytorch_tanh"):
+            raise ValueError(f"experts' activation must be 'silu', 'silu_clamped', 'swigluoai', 'relu2' or "
+                             f"'gelu_pytorch_tanh', got {activation!r}")
         self.activation, self.swiglu_alpha, self.swiglu_limit = activation, swiglu_alpha, swiglu_limit
         # Llama 4's: each routing weight scales the token's input to its expert, not the expert's output.
         self.weights_on_inputs = weights_on_inputs
@@ -303,6 +304,8 @@ class FusedMoE(nn.Module):
             return swiglu_oai(gate, up, self.swiglu_alpha, self.swiglu_limit)
         if self.activation == "gelu_pytorch_tanh":  # (Gemma 4's experts)
             return F.gelu(gate, approximate="tanh").mul_(up)
+        if self.activation == "silu_clamped":  # (Ling 3's: clipped after the activation, at swiglu_limit)
+            return clamped_silu_and_mul(gate, up, self.swiglu_limit)
         return F.silu(gate).mul_(up)
 
     def _grouped(self, rows: torch.Tensor, offsets: torch.Tensor, row_experts: torch.Tensor) -> torch.Tensor:

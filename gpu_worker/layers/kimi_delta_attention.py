@@ -73,9 +73,12 @@ class KimiDeltaAttention(nn.Module):
     sigmoid(``b_proj``), the delta rule, an RMSNorm per head in fp32 (``o_norm``) times
     sigmoid(``g_b_proj(g_a_proj(x))``), ``o_proj``.
 
-    Under tensor parallelism each rank holds num_heads / tp heads: its rows of the q, k, v, f_b, b and
-    g_b projections and its convolution channels, its heads' A and dt bias, o_proj's columns
-    (all-reduced); the low-rank f_a and g_a projections and the norm whole on every rank."""
+    Ling 3's (``full_rank_gates``, ``gate_lower_bound``): the decay from ``f_proj`` (whole), through
+    lower_bound * sigmoid(exp(A_log) * x) where a lower bound is given, and the gate from ``g_proj``.
+
+    Under tensor parallelism each rank holds num_heads / tp heads: its rows of the q, k, v, f_b (or f),
+    b and g_b (or g) projections and its convolution channels, its heads' A and dt bias, o_proj's
+    columns (all-reduced); the low-rank f_a and g_a projections and the norm whole on every rank."""
 
     def __init__(self, hidden_size: int, config: KimiDeltaAttentionConfig, eps: float) -> None:
         super().__init__()
@@ -88,10 +91,14 @@ class KimiDeltaAttention(nn.Module):
         self.in_proj_qkv.weight.weight_loader = (
             lambda p, loaded, shard=None: copy_into(p, rank_rows(loaded, qkv_sections)))
         self.conv1d = DepthwiseConv(m.conv_dim, m.conv_kernel, False, qkv_sections)
-        self.f_a_proj = ColumnParallelLinear(hidden_size, full.head_dim, tp_rank=0, tp_size=1)
-        self.f_b_proj = ColumnParallelLinear(full.head_dim, full.key_dim)
-        self.g_a_proj = ColumnParallelLinear(hidden_size, full.head_dim, tp_rank=0, tp_size=1)
-        self.g_b_proj = ColumnParallelLinear(full.head_dim, full.key_dim)
+        if m.full_rank_gates:  # (Ling 3's)
+            self.f_proj = ColumnParallelLinear(hidden_size, full.key_dim)
+            self.g_proj = ColumnParallelLinear(hidden_size, full.key_dim)
+        else:
+            self.f_a_proj = ColumnParallelLinear(hidden_size, full.head_dim, tp_rank=0, tp_size=1)
+            self.f_b_proj = ColumnParallelLinear(full.head_dim, full.key_dim)
+            self.g_a_proj = ColumnParallelLinear(hidden_size, full.head_dim, tp_rank=0, tp_size=1)
+            self.g_b_proj = ColumnParallelLinear(full.head_dim, full.key_dim)
         self.b_proj = ColumnParallelLinear(hidden_size, full.num_heads)
         # (In fp32 whatever the model's dtype, as transformers keeps dt_bias: the decay compounds.)
         self.A_log = nn.Parameter(torch.empty(m.num_heads, dtype=torch.float32), requires_grad=False)
@@ -113,11 +120,16 @@ class KimiDeltaAttention(nn.Module):
         conv = F.silu(causal_conv(self.state.conv, self.conv1d, self.in_proj_qkv.forward(hidden), step))
         q, k, v = conv.float().view(tokens, 3, heads, m.head_dim).unbind(1)
         q, k = _l2_normed(q) * m.head_dim ** -0.5, _l2_normed(k)
-        g = self.f_b_proj.forward(self.f_a_proj.forward(hidden)).float() + self.dt_bias.float()
-        g = (-torch.exp(self.A_log.float())[:, None] * F.softplus(g.view(tokens, heads, m.head_dim)))
+        full_rank = m.full_rank_gates
+        f = self.f_proj.forward(hidden) if full_rank else self.f_b_proj.forward(self.f_a_proj.forward(hidden))
+        f = (f.float() + self.dt_bias.float()).view(tokens, heads, m.head_dim)
+        rate = torch.exp(self.A_log.float())[:, None]
+        g = (-rate * F.softplus(f) if m.gate_lower_bound is None
+             else m.gate_lower_bound * torch.sigmoid(rate * f))
         beta = torch.sigmoid(self.b_proj.forward(hidden).float())
         out = run_delta_rule(self.state, step, q, k, v, g, beta, kda_chunk_scan, m.chunk_size)
-        gate = self.g_b_proj.forward(self.g_a_proj.forward(hidden)).float().view(tokens, heads, m.head_dim)
+        gate = self.g_proj.forward(hidden) if full_rank else self.g_b_proj.forward(self.g_a_proj.forward(hidden))
+        gate = gate.float().view(tokens, heads, m.head_dim)
         normed = F.rms_norm(out, (m.head_dim,), self.o_norm.weight.float(), self.eps) * torch.sigmoid(gate)
         return self.o_proj.forward(normed.to(hidden.dtype).reshape(tokens, m.key_dim))
 

@@ -75,6 +75,8 @@ class MLAAttention(nn.Module):
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora, heads * (self.nope + self.v_dim))
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias=config.o_proj_bias)
         self.num_heads = self.kv_b_proj.output_size_per_partition // (self.nope + self.v_dim)
+        # (Ling 3's: a sigmoid gate per head on its output, from the layer's input; each rank its heads'.)
+        self.g_proj = ColumnParallelLinear(hidden, heads) if config.mla_head_gate else None
         # (Under DeepSeek Sparse Attention the cache row also holds the indexer's key: deepseek_v32.)
         self.attn = PagedAttention(self.num_heads, 1, self.kv_lora + self.rope + config.index_head_dim,
                                    config.attention_scale,
@@ -104,6 +106,8 @@ class MLAAttention(nn.Module):
         out = out.view(num_tokens, heads, self.attn.head_dim)[..., : self.kv_lora]
         # Back from the latent, per head: [heads, tokens, kv_lora] @ [heads, kv_lora, v].
         out = torch.bmm(out.transpose(0, 1), w[:, nope:].transpose(1, 2))
+        if self.g_proj is not None:  # ([heads, tokens, v] times each head's gate)
+            out = out * torch.sigmoid(self.g_proj.forward(hidden).float()).to(out.dtype).t()[:, :, None]
         return self.o_proj.forward(out.transpose(0, 1).reshape(num_tokens, heads * self.v_dim))
 
     def attend(self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, q_resid: torch.Tensor | None,

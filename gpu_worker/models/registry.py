@@ -10,6 +10,7 @@ from gpu_worker.config import ModelConfig
 from gpu_worker.models.afmoe import AfmoeForCausalLM
 from gpu_worker.models.apertus import ApertusForCausalLM
 from gpu_worker.models.arcee import ArceeForCausalLM
+from gpu_worker.models.bailing_hybrid import BailingHybridForCausalLM
 from gpu_worker.models.beam import BeamForCausalLM
 from gpu_worker.models.bert import BertModel, RobertaModel
 from gpu_worker.models.bert_rope import JinaEmbeddingsV3Model, RopeBertModel
@@ -252,6 +253,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "CodeGenForCausalLM": CodeGenForCausalLM,
     "OlmoHybridForCausalLM": OlmoHybridForCausalLM,
     "KimiLinearForCausalLM": KimiLinearForCausalLM,
+    "BailingHybridForCausalLM": BailingHybridForCausalLM,
     "MiniMaxForCausalLM": MiniMaxForCausalLM,
     "MiniMaxText01ForCausalLM": MiniMaxForCausalLM,
     "MiniMaxM1ForCausalLM": MiniMaxForCausalLM,

@@ -140,15 +140,15 @@ def test_gemma3n_and_gemma4_refuse_what_their_layers_cannot_follow(tmp_path, kin
 
 @pytest.mark.parametrize("kind", ["granitemoehybrid", "bamba", "nemotron_h", "nemotron_h_moe", "mamba2",
                                   "qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe", "lfm3", "falcon_h1",
-                                  "mamba", "olmo_hybrid", "kimi_linear", "minimax",
+                                  "mamba", "olmo_hybrid", "kimi_linear", "minimax", "bailing_hybrid",
                                   "falcon_mamba", "jamba", "zamba2"])
 def test_mamba_hybrids_recompute_what_a_prefix_cache_would_skip(tmp_path, kind):
     """Granite 4.0-H, Bamba and Nemotron-H (Mamba-2 layers beside attention), a pure Mamba-2 model, and
     Qwen3-Next and Qwen3.5 (Gated DeltaNet layers beside attention), LFM2 (short convolutions),
     Falcon-H1 (attention and Mamba-2 side by side in every layer), Mamba and Falcon-Mamba (Mamba-1
     layers alone), Jamba (Mamba-1 layers beside attention), Zamba2 (Mamba-2 layers, some running a
-    shared attention block first), Kimi-Linear (Kimi Delta Attention beside MLA), MiniMax (lightning
-    attention beside GQA): the
+    shared attention block first), Kimi-Linear and Ling 3 (Kimi Delta Attention beside MLA), MiniMax
+    (lightning attention beside GQA): the
     engine turns prefix caching off, since a hit would skip tokens whose recurrent state it does not
     keep; greedy tokens equal transformers' through chunked prefill and preemption (a model without
     attention keeps no KV, yet its blocks still bound what runs at once), the repeated prompts computed
@@ -180,7 +180,7 @@ def test_granite_4_hybrid_refuses_what_its_states_cannot_follow(tmp_path, flags,
 
 @pytest.mark.parametrize("kind", [*KINDS, "granitemoehybrid", "bamba", "nemotron_h", "nemotron_h_moe", "qwen3_next",
                                   "qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe", "lfm3", "falcon_h1", "falcon_mamba",
-                                  "jamba", "olmo_hybrid", "kimi_linear", "minimax",
+                                  "jamba", "olmo_hybrid", "kimi_linear", "minimax", "bailing_hybrid",
                                   "zamba2"])
 def test_bf16_logprobs_are_transformers_fp32_ones_within_bf16_precision(tmp_path, kind):
     """Each prompt token's log-probability (prefill) and each greedy token's (decode)."""
@@ -193,7 +193,7 @@ def test_bf16_logprobs_are_transformers_fp32_ones_within_bf16_precision(tmp_path
                                     "jamba", "llama4", "dots1", "phimoe", "dbrx", "glm4_moe_lite", "gemma4",
                                     "solar_open", "afmoe", "laguna", "mellum", "hy_v3", "axk1", "kolibri1", "flint",
                                     "beam", "jetmoe", "longcat_flash", "mimo_v2_flash", "granitemoe_swa", "cohere2_moe",
-                                    "deepseek_v32", "glm_moe_dsa", "kimi_linear", "minimax")
+                                    "deepseek_v32", "glm_moe_dsa", "kimi_linear", "minimax", "bailing_hybrid")
     hf_bf16 = load_hf(path).to(torch.bfloat16) if moe else None
     errors, hf_bf16_errors = [], []
     for prompt, out in zip(PROMPTS, outputs, strict=True):

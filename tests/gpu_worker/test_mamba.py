@@ -300,10 +300,10 @@ def test_parallel_engines_are_refused_before_workers_start(tmp_path, parallel, r
 @pytest.mark.parametrize("kind, groups", [("granitemoehybrid", 2), ("granitemoehybrid", 1), ("nemotron_h_moe", 2),
                                          ("qwen3_next", 0), ("qwen3_5", 0), ("lfm2_moe", 0), ("falcon_h1", 2),
                                          ("jamba", 0), ("zamba2", 2), ("lfm3", 0), ("olmo_hybrid", 0),
-                                         ("kimi_linear", 0), ("minimax", 0)],
+                                         ("kimi_linear", 0), ("minimax", 0), ("bailing_hybrid", 0)],
                          ids=["groups_split", "one_group_replicated", "nemotron_h_moe", "qwen3_next", "qwen3_5",
                               "lfm2_moe", "falcon_h1", "jamba", "zamba2", "lfm3", "olmo_hybrid", "kimi_linear",
-                              "minimax"])
+                              "minimax", "bailing_hybrid"])
 def test_tp2_over_gloo_equals_tp1(tmp_path, kind, groups, tp_hosts):
     """Two ranks, each with half of the Mamba-2 heads (their in_proj rows, convolution channels, A, D,
     dt bias, norm channels and out_proj columns) and either its half of the groups of B and C or the
@@ -322,7 +322,9 @@ def test_tp2_over_gloo_equals_tp1(tmp_path, kind, groups, tp_hosts):
     of the four KDA heads (their q, k, v, decay, write-strength and gate rows, convolution channels, A
     and dt bias; the low-rank projections whole), half of the MLA's heads over the one latent row.
     MiniMax: each rank two of the four lightning heads (their q/k/v and gate rows, decay rates and norm
-    weights), the norm's sum of squares across the ranks' heads."""
+    weights), the norm's sum of squares across the ranks' heads. Ling 3: Kimi-Linear's split with its
+    whole-projection gates' rows, the MLA's head gates split with its heads, the clipped experts'
+    widths."""
     import random
 
     ray = pytest.importorskip("ray")

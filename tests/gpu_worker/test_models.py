@@ -764,8 +764,8 @@ def test_registry_maps_architectures(tmp_path):
                                    "BitNetForCausalLM", "JetMoeForCausalLM", "LongcatFlashForCausalLM",
                                    "BioGptForCausalLM", "XGLMForCausalLM", "ModernBertDecoderForCausalLM",
                                    "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "KimiLinearForCausalLM",
-                                   "MiniMaxForCausalLM", "MiniMaxText01ForCausalLM", "MiniMaxM1ForCausalLM",
-                                   "BertModel", "RobertaModel",
+                                   "BailingHybridForCausalLM", "MiniMaxForCausalLM", "MiniMaxText01ForCausalLM",
+                                   "MiniMaxM1ForCausalLM", "BertModel", "RobertaModel",
                                    "ModernBertModel", "NomicBertModel", "GteModel", "JinaEmbeddingsV3Model"}
     assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES) | set(ENCODER_ARCHITECTURES.values())
     assert get_model_class("Qwen2ForCausalLM") is Qwen2ForCausalLM

@@ -591,6 +591,24 @@ def make_config(kind: str = "llama", **overrides):
                                                    "linear_attention"],
                                    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw,
                                    "num_key_value_heads": kw["num_attention_heads"]})
+    # Ling 3: kimi_linear's layers with full-rank KDA gates (the safe gate at -5), MLA rotating in pairs
+    # with a gate per head, 8 experts in 2 groups (1 kept, 2 a token) clipped at per-layer limits beside a
+    # clipped shared one (limits these weights' activations cross), the first layer dense.
+    if kind == "bailing_hybrid":
+        from transformers.models.bailing_hybrid.configuration_bailing_hybrid import BailingHybridConfig
+
+        kw.pop("num_hidden_layers")
+        return BailingHybridConfig(**{"num_hidden_layers": 4, "head_dim": 16, "kv_lora_rank": 32,
+                                      "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+                                      "num_local_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                      "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1,
+                                      "num_mtp_layers": 0,
+                                      "layer_types": ["linear_attention", "full_attention", "linear_attention",
+                                                      "linear_attention"],
+                                      "expert_swiglu_limit_list": [0, 0.02, 0, 0.01],
+                                      "share_expert_swiglu_limit_list": [0, 0.015, 0.02, 0],
+                                      "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **kw,
+                                      "num_key_value_heads": kw["num_attention_heads"]})
     # MiniMax (-Text-01, -M1): lightning attention in three layers of four, GQA with RoPE in the second,
     # 4 experts (2 a token) in every layer; residual scales of their own per sublayer kind.
     if kind == "minimax":
@@ -925,6 +943,8 @@ def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides)
                     or (kind == "bitnet" and name.endswith("sub_norm.weight")) \
                     or (kind == "jetmoe" and name.endswith(("experts.bias", "mlp.bias", "layernorm.weight"))) \
                     or (kind in ("kolibri1", "flint", "beam") and name.endswith(("norm.weight", "sinks", "gate_bias"))):
+                param.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.5)
+            if kind == "bailing_hybrid" and name.endswith(("forget_gate.dt_bias", "self_attn.o_norm.weight")):
                 param.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.5)
             if kind == "minimax" and name.endswith("norm.weight"):
                 param.normal_(1.0, 0.5)
