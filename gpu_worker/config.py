@@ -271,7 +271,9 @@ NULL_KEEPING_DEFAULTS = {"MiniCPM3ForCausalLM": MINICPM3_DEFAULTS, "Glm4MoeLiteF
 ARCHITECTURE_SPELLINGS = {"MiniCPM5MoEForCausalLM": "MiniCPM5MoeForCausalLM",
                           "ExaoneMoEForCausalLM": "ExaoneMoeForCausalLM",
                           # (jetmoe-8b's remote code's name; transformers reads it by its model_type)
-                          "JetMoEForCausalLM": "JetMoeForCausalLM"}
+                          "JetMoEForCausalLM": "JetMoeForCausalLM",
+                          # (Ling 3's released name; transformers reads it by its model_type, bailing_hybrid)
+                          "BailingMoeV3ForCausalLM": "BailingHybridForCausalLM"}
 # transformers' defaults for the keys a config of these Llama-like families may leave out.
 LLAMA_LIKE_DEFAULTS = {
     "GlmForCausalLM": _GLM_DEFAULTS,
@@ -1571,13 +1573,12 @@ def _bailing_hybrid_config(cfg: dict[str, Any]) -> dict[str, Any]:
     reads it, in DeepSeek-V3's terms and ours: its experts' own key names, KDA in every layer but each
     layer_group_size-th (MLA; layer_types where given), its KDA heads the attention's count of
     linear_head_dim (else head_dim) values, transformers' defaults where a key is absent. Refused, as
-    transformers builds neither: another MLA gate than one per head, q/k norms, low-rank KDA gates
-    (no_kda_lora false), a shared expert of its own width."""
-    if cfg.get("gated_attention_proj_granularity_type", "head_wise") != "head_wise" or cfg.get("use_qk_norm") \
-            or cfg.get("no_kda_lora") is False:
-        raise ValueError("BailingHybridForCausalLM is served with head-wise MLA gates, no q/k norms and full-rank "
-                         "KDA gates (gated_attention_proj_granularity_type head_wise, use_qk_norm and no_kda_lora "
-                         "as transformers builds them)")
+    transformers builds neither: another MLA gate than one per head, low-rank KDA gates (no_kda_lora
+    false), a shared expert of its own width. (use_qk_norm, true in its configs, is Ling 2's GQA's and
+    not read, as transformers does not: its MLA and KDA layers have no q/k norms.)"""
+    if cfg.get("gated_attention_proj_granularity_type", "head_wise") != "head_wise" or cfg.get("no_kda_lora") is False:
+        raise ValueError("BailingHybridForCausalLM is served with head-wise MLA gates and full-rank KDA gates "
+                         "(gated_attention_proj_granularity_type head_wise, no_kda_lora as transformers builds them)")
     renamed = {_BAILING_HYBRID_KEYS.get(k, k): v for k, v in cfg.items() if v is not None or k == "q_lora_rank"}
     cfg = {**BAILING_HYBRID_DEFAULTS, **renamed}
     shared = cfg.get("moe_shared_expert_intermediate_size")
@@ -3731,6 +3732,8 @@ class ModelConfig:
                              f"got {scaling['rope_type']!r}")
         params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
         partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
+        if mla:  # (MLA rotates its qk_rope_head_dim values whatever a share of a head says: Ling 3 states 0.5)
+            partial = 1.0
         if arch == "MiniMaxM2ForCausalLM" and "partial_rotary_factor" not in params \
                 and cfg.get("partial_rotary_factor") is None and cfg.get("rotary_dim"):
             partial = int(cfg["rotary_dim"]) / head_dim  # (as released: rotary_dim, 64 of 128)

@@ -51,14 +51,16 @@ def test_the_clips_and_gates_are_applied(tmp_path):
     assert (prefill_logits(runner, prompt, list(range(6))) - clipped).abs().max() > 1e-2
 
 
-# Ling 3's config keys as its release states them (its geometry shrunk to two groups of three layers).
-RELEASED = {"architectures": ["BailingHybridForCausalLM"], "model_type": "bailing_hybrid", "vocab_size": 157184,
+# Ling 3's config keys as its release states them (its architecture's released name, use_qk_norm left from
+# Ling 2, a partial RoPE share equal to qk_rope_head_dim; its geometry shrunk to two groups of three layers).
+RELEASED = {"architectures": ["BailingMoeV3ForCausalLM"], "model_type": "bailing_hybrid", "vocab_size": 157184,
             "hidden_size": 2560, "intermediate_size": 6144, "num_hidden_layers": 6, "num_attention_heads": 32,
             "num_key_value_heads": 32, "head_dim": 128, "layer_group_size": 3, "short_conv_kernel_size": 4,
             "no_kda_lora": True, "kda_safe_gate": True, "kda_lower_bound": -5.0, "q_lora_rank": None,
             "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-            "rope_interleave": True, "rope_theta": 6000000, "gated_attention_proj_granularity_type": "head_wise",
-            "use_qk_norm": False, "first_k_dense_replace": 2, "num_experts": 512, "num_experts_per_tok": 8,
+            "rope_interleave": True, "gated_attention_proj_granularity_type": "head_wise", "use_qk_norm": True,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 6000000, "partial_rotary_factor": 0.5},
+            "first_k_dense_replace": 2, "num_experts": 512, "num_experts_per_tok": 8,
             "num_shared_experts": 1, "moe_intermediate_size": 768, "moe_shared_expert_intermediate_size": 768,
             "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "num_nextn_predict_layers": 1,
             "expert_swiglu_limit_list": [0, 0, 7.0, 7.0, 7.0, 7.0],
@@ -68,6 +70,7 @@ RELEASED = {"architectures": ["BailingHybridForCausalLM"], "model_type": "bailin
 
 def test_the_released_config_is_read():
     config = ModelConfig.from_dict(RELEASED)
+    assert config.architecture == "BailingHybridForCausalLM"
     assert [config.layer_is_mamba(i) for i in range(6)] == [True, True, False] * 2
     assert config.mamba == KimiDeltaAttentionConfig(num_heads=32, head_dim=128, conv_kernel=4, full_rank_gates=True,
                                                     gate_lower_bound=-5.0)
@@ -81,7 +84,7 @@ def test_the_released_config_is_read():
     assert config.num_mtp_layers == 0  # (its MTP layer is not read)
     unsafe = ModelConfig.from_dict({**RELEASED, "kda_safe_gate": False})
     assert unsafe.mamba.gate_lower_bound is None
-    for change, refusal in [({"use_qk_norm": True}, "no q/k norms"), ({"no_kda_lora": False}, "full-rank"),
+    for change, refusal in [({"no_kda_lora": False}, "full-rank"),
                             ({"gated_attention_proj_granularity_type": "element_wise"}, "head-wise"),
                             ({"moe_shared_expert_intermediate_size": 1024}, "not moe_shared_expert"),
                             ({"expert_swiglu_limit_list": [0, 7.0]}, "one limit per decoder layer")]:
