@@ -271,11 +271,17 @@ class Worker:
         return per_block
 
     def mamba_state_bytes(self) -> int:
-        """The recurrent layers' states on this rank: a row for each of max_num_seqs requests."""
+        """The recurrent layers' states on this rank (its pipeline stage's layers'): a row for each of
+        max_num_seqs requests."""
         config = self.model_config
         if config.mamba is None:
             return 0
-        return (config.mamba.per_rank(self.world_size).state_bytes(*self.mamba_state_dtypes) * sum(config.mamba_layers)
+        layers = config.mamba_layers
+        if self.pipeline_parallel_size > 1:
+            start, end = distributed.pp_layer_range(config.num_hidden_layers, self.rank // self.world_size,
+                                                    self.pipeline_parallel_size, self.pp_layer_partition)
+            layers = layers[start:end]
+        return (config.mamba.per_rank(self.world_size).state_bytes(*self.mamba_state_dtypes) * sum(layers)
                 * self.max_num_seqs)
 
     def _num_stage_layers(self) -> int | None:

@@ -343,14 +343,21 @@ class PPMissingLayer(nn.Identity):
     never run; it keeps the layers' indices, so parameter names match the checkpoint's."""
 
 
+# The models with recurrent layers whose decoder is not the Llama stack (gpu_worker.models.single_stage):
+# Nemotron-H's blocks (Mamba-2 and Mamba-1 language models too), Zamba2's shared blocks. The others'
+# recurrent layers split into stages as attention layers do: each stage keeps its own layers' states.
+SINGLE_STAGE_RECURRENT_ARCHITECTURES = ("NemotronHForCausalLM", "Mamba2ForCausalLM", "MambaForCausalLM",
+                                        "FalconMambaForCausalLM", "Zamba2ForCausalLM")
+
+
 def pipeline_refusal(config: ModelConfig, pp_size: int, pooling: bool = False) -> str | None:
     """Why a model cannot be split into ``pp_size`` pipeline stages (None: it can)."""
     if config.encoder_only or config.embedding_only or pooling or config.labels:
         return "pipeline parallelism serves generative decoders, not encoders, pooling-only or classifier models"
     if config.vision is not None:
         return "pipeline parallelism serves text decoders; a vision-language model's encoder is not split into stages"
-    if config.mamba_layers:
-        return f"pipeline parallelism does not split a model with {config.mamba.layer_name} layers yet"
+    if config.architecture in SINGLE_STAGE_RECURRENT_ARCHITECTURES:  # (their decoder stacks are their own)
+        return f"pipeline parallelism does not split {config.architecture}'s layers yet"
     if config.num_hidden_layers < pp_size:
         return f"the model has only {config.num_hidden_layers} layers to split into {pp_size} stages"
     if config.architecture == "LongcatFlashForCausalLM":  # (a shortcut crosses from each even half-layer on)

@@ -284,15 +284,21 @@ def test_a_streaming_sessions_next_turn_continues_its_state(hybrid_model):
 
 @pytest.mark.parametrize("parallel, refusal", [
     ({"tensor_parallel_size": 3}, "has Mamba-2 layers: Mamba-2's 8 heads cannot be split evenly"),
-    ({"pipeline_parallel_size": 2}, "does not split a model with Mamba-2 layers"),
+    ({"pipeline_parallel_size": 2}, "does not split NemotronHForCausalLM's layers"),
 ])
 def test_parallel_engines_are_refused_before_workers_start(tmp_path, parallel, refusal):
+    """Heads that do not divide the ranks; stages of Nemotron-H's own decoder stack (the Llama-stack
+    hybrids split: tests/gpu_worker/test_pipeline_parallel.py)."""
     from engine_core.config import EngineConfig, SchedulerConfig
     from gpu_worker.executor import create_executor
-    from tests.tiny_model import build_tiny_granite_hybrid
+    from tests.tiny_model import build_tiny_granite_hybrid, build_tokenizer
 
+    model = build_tiny_granite_hybrid(tmp_path / "granite")
+    if "pipeline_parallel_size" in parallel:
+        model = save_tiny_model(tmp_path / "nemotron_h", "nemotron_h")
+        build_tokenizer().save_pretrained(model)
     with pytest.raises(ValueError, match=refusal):
-        create_executor(EngineConfig(model=str(build_tiny_granite_hybrid(tmp_path)), device="cpu", num_gpu_blocks=16,
+        create_executor(EngineConfig(model=str(model), device="cpu", num_gpu_blocks=16,
                                      scheduler=SchedulerConfig(max_model_len=64), **parallel))
 
 

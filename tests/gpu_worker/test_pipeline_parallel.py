@@ -413,3 +413,39 @@ def test_glm5s_stages_each_start_at_a_layer_choosing_its_own_keys(tmp_path, stag
     distributed._group = distributed.TPGroup(pp_rank=1, pp_size=2, layer_partition=(1, 3))
     with pytest.raises(ValueError, match=r"stage of layers 1\.\.3 starts with a layer sharing"):
         build_model(config)
+
+
+@pytest.mark.parametrize("kind", ["granitemoehybrid", "qwen3_next", "kimi_linear", "bailing_hybrid", "minimax", "jamba",
+                                  "falcon_h1", "lfm2", "olmo_hybrid"])
+def test_an_engine_of_two_stages_with_recurrent_layers_answers_as_one_worker_does(ray_cluster, tmp_path, kind):
+    """Each stage keeps its own recurrent layers' states (Mamba-2, Gated DeltaNet, Kimi Delta Attention
+    with MLA, lightning attention, Mamba-1 with experts, Falcon-H1's attention and Mamba-2 side by side,
+    LFM2's short convolutions): greedy and seeded answers, logprobs included,
+    equal one worker's through chunked prefills and preemptions, passes in flight in both stages (a
+    stage may hold recurrent layers alone: Kimi-Linear's second)."""
+    from tests.gpu_worker.utils import save_tiny_model
+    from tests.tiny_model import build_tokenizer
+
+    model_dir = save_tiny_model(tmp_path, kind)
+    build_tokenizer().save_pretrained(model_dir)
+    single = _engine(model_dir, 16)
+    try:
+        expected = _run(single, _requests())
+    finally:
+        single.shutdown()
+    staged = _engine(model_dir, 16, pipeline_parallel_size=2)
+    try:
+        import ray
+
+        from gpu_worker.config import ModelConfig
+
+        held = ray.get([w.__ray_call__.remote(lambda w: len(w.runner.mamba_mixers)) for w in staged.executor.workers])
+        layers = ModelConfig.from_pretrained(model_dir).mamba_layers
+        assert held == [sum(layers[:2]), sum(layers[2:])]  # (each stage its own layers' mixers)
+        got = _run(staged, _requests())
+        for rid, want in expected.items():
+            assert got[rid]["tokens"] == want["tokens"] and len(want["tokens"]) == 12, rid
+            assert got[rid]["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4), rid
+        assert staged.stats().num_preemptions > 0, "16 blocks were meant to force preemptions"
+    finally:
+        staged.shutdown()
