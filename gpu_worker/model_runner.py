@@ -1035,7 +1035,11 @@ class ModelRunner:
                                        zeros, block_size, decode_in_place=False)
         meta.mamba = mamba_step_metadata(zeros, qsl, self.device)
         ids = torch.zeros(n, dtype=torch.int64, device=self.device)
-        self.model(ids, ids, meta)
+        if distributed.is_first_stage():
+            self.model(ids, ids, meta)
+        else:  # (a later pipeline stage starts from what the one before sends)
+            self.model(ids, ids, meta, intermediate=tuple(
+                torch.zeros(n, self.config.hidden_size, dtype=self.dtype, device=self.device) for _ in range(2)))
 
     def _new_mamba_state(self, mixer: nn.Module, rows: int) -> MambaState:
         conv_dtype, ssm_dtype = self.mamba_state_dtypes

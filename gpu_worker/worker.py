@@ -91,6 +91,11 @@ def gguf_dtype_rule(dtype: str | torch.dtype, device: torch.device, embedding_on
     return rule
 
 
+# The blocks a rank that keeps no KV (a pipeline stage of recurrent layers alone) reports: no bound, so
+# that the group-wide minimum is the other stages'.
+NO_BLOCK_BOUND = 2**62
+
+
 class Worker:
     def __init__(self, rank: int, world_size: int, model_path_or_config: str | Path | ModelConfig | dict[str, Any],
                  device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
@@ -262,7 +267,7 @@ class Worker:
         """A block's bytes on this rank: its stage's layers' KV cache, and the drafter's beside it (a
         draft model's, the MTP layer's)."""
         per_block = model_bytes_per_block(self.model_config, block_size, self.world_size, self.kv_cache_dtype,
-                                          self._num_stage_layers())
+                                          self._num_stage_attention_layers())
         if self.draft_config is not None:
             per_block += model_bytes_per_block(self.draft_config, block_size, self.world_size, self.kv_cache_dtype)
         if self.mtp_config is not None:
@@ -284,12 +289,15 @@ class Worker:
         return (config.mamba.per_rank(self.world_size).state_bytes(*self.mamba_state_dtypes) * sum(layers)
                 * self.max_num_seqs)
 
-    def _num_stage_layers(self) -> int | None:
+    def _num_stage_attention_layers(self) -> int | None:
+        """The layers of this rank's pipeline stage that keep a KV cache (None: one stage, all that do):
+        a hybrid's recurrent layers keep none, unless they run beside attention (Falcon-H1's)."""
         if self.pipeline_parallel_size == 1:
             return None
-        start, end = distributed.pp_layer_range(self.model_config.num_hidden_layers, self.rank // self.world_size,
+        config = self.model_config
+        start, end = distributed.pp_layer_range(config.num_hidden_layers, self.rank // self.world_size,
                                                 self.pipeline_parallel_size, self.pp_layer_partition)
-        return end - start
+        return sum(1 for i in range(start, end) if config.parallel_hybrid or not config.layer_is_mamba(i))
 
     def determine_num_blocks(self, block_size: int, num_blocks: int | None = None,
                              kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9) -> int:
@@ -316,6 +324,16 @@ class Worker:
             runner = self._runner()
             num_blocks = (runner.cacheless_num_blocks(block_size) if self.model_config.encoder_only
                           else runner.max_num_seqs * -(-runner.max_model_len // block_size))
+        if num_blocks is None and self.bytes_per_block(block_size) == 0:
+            # (A pipeline stage of a hybrid's recurrent layers alone keeps no KV: the other stages' blocks
+            # bound the count; its states must still fit its budget.)
+            budget = (self._profile_kv_budget(block_size, gpu_memory_utilization) if self.device.type == "cuda"
+                      else kv_cache_memory_bytes)
+            if budget is not None and budget < self.mamba_state_bytes():
+                raise ValueError(f"this pipeline stage's recurrent states of {self.max_num_seqs} requests "
+                                 f"({self.mamba_state_bytes()} bytes) need more than its budget ({budget} bytes): "
+                                 "lower --max-num-seqs")
+            num_blocks = NO_BLOCK_BOUND
         if num_blocks is None:
             per_block = self.bytes_per_block(block_size)
             if kv_cache_memory_bytes is not None:

@@ -54,4 +54,5 @@ class BailingHybridForCausalLM(KimiLinearForCausalLM):
         named as their mixer's, so that only MLA's are reordered), each KDA layer's q, k and v joined."""
         renamed = ((recurrent_mixer_name(rename_parts(name, self._RELEASED), self.config), tensor)
                    for name, tensor in weights)
-        return joined_parts(rotary_rows_in_halves(self.config, renamed, self.pp_missing_prefixes), self._JOINED)
+        skipped = self.pp_missing_prefixes
+        return joined_parts(rotary_rows_in_halves(self.config, renamed, skipped), self._JOINED, skipped)

@@ -59,7 +59,11 @@ class FalconH1ForCausalLM(BambaForCausalLM):
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         multipliers = self._multipliers()
+        skipped = self.pp_missing_prefixes  # (other pipeline stages' layers: not read, so not scaled)
         for name, tensor in super().checkpoint_tensors(weights):
+            if skipped and name.startswith(skipped):
+                yield name, tensor
+                continue
             for part, (weight_scale, bias_scale) in multipliers.items():
                 if part in name:
                     scale = weight_scale if name.endswith(".weight") else bias_scale

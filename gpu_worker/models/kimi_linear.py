@@ -40,4 +40,4 @@ class KimiLinearForCausalLM(DeepseekV3ForCausalLM):
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         renamed = ((rename_parts(recurrent_mixer_name(name, self.config), self._RENAMED), tensor)
                    for name, tensor in weights)
-        return joined_parts(renamed, self._JOINED)
+        return joined_parts(renamed, self._JOINED, self.pp_missing_prefixes)

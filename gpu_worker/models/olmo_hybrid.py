@@ -76,5 +76,5 @@ class OlmoHybridForCausalLM(LlamaForCausalLM):
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         """Its names as ours, each linear-attention layer's q, k and v projections (and, as released, their
         convolutions) joined as they arrive."""
-        for name, tensor in joined_parts(weights, self._JOINED):
+        for name, tensor in joined_parts(weights, self._JOINED, self.pp_missing_prefixes):
             yield rename_parts(name, self._RENAMED), tensor

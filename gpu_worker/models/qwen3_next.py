@@ -74,7 +74,8 @@ class Qwen3NextModel(LlamaModel):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)  # (one stage: not split)
+        if self.stage.last:  # (the final norm: the last pipeline stage's)
+            self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class Qwen3NextForCausalLM(LlamaForCausalLM):

@@ -31,16 +31,16 @@ def rename_first(name: str, renames: tuple[tuple[str, str], ...]) -> str:
     return name
 
 
-def joined_parts(weights: Iterable[tuple[str, WeightLike]],
-                 joined: dict[str, tuple[str, ...]]) -> Iterator[tuple[str, WeightLike]]:
+def joined_parts(weights: Iterable[tuple[str, WeightLike]], joined: dict[str, tuple[str, ...]],
+                 skipped: tuple[str, ...] = ()) -> Iterator[tuple[str, WeightLike]]:
     """The checkpoint with each layer's tensors named by ``joined``'s parts (ours -> the name endings of
     the tensors whose rows it holds, in order: OLMo Hybrid's and Kimi-Linear's q, k and v projections
-    and convolutions) yielded as one tensor under ours once all of them have come; the others as they
-    stand."""
+    and convolutions) yielded as one tensor under ours once all of them have come; the others, and
+    those named from ``skipped`` (other pipeline stages' layers: not read), as they stand."""
     waiting: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
-        found = next(((ours, part) for ours, parts in joined.items() for part in parts if name.endswith(part)),
-                     None)
+        found = None if skipped and name.startswith(skipped) else next(
+            ((ours, part) for ours, parts in joined.items() for part in parts if name.endswith(part)), None)
         if found is None:
             yield name, tensor
             continue

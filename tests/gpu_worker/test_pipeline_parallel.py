@@ -449,3 +449,29 @@ def test_an_engine_of_two_stages_with_recurrent_layers_answers_as_one_worker_doe
         assert staged.stats().num_preemptions > 0, "16 blocks were meant to force preemptions"
     finally:
         staged.shutdown()
+
+
+def test_a_later_stage_of_a_hybrid_profiles_and_sizes_only_what_it_keeps(tmp_path, stage, monkeypatch):
+    """A hybrid's second stage (its last two layers: recurrent alone) runs the memory profile's
+    passes from zero hidden states, not token ids; its blocks cost nothing and report no bound (the
+    first stage's, one attention layer's, set the count); the states counted are its own layers'."""
+    from gpu_worker.worker import NO_BLOCK_BOUND, Worker
+    from tests.gpu_worker.utils import save_tiny_model
+    from tests.tiny_model import build_tokenizer
+
+    model_dir = save_tiny_model(tmp_path, "granitemoehybrid", layer_types=["mamba", "attention", "mamba", "mamba"])
+    build_tokenizer().save_pretrained(model_dir)
+    monkeypatch.setattr(distributed, "all_reduce_min", lambda value, device="cpu": value)  # (each stage's own)
+    sizes = []
+    for pp_rank in range(2):
+        stage(pp_rank, 2)
+        worker = Worker(rank=pp_rank, world_size=1, model_path_or_config=str(model_dir), device="cpu",
+                        pipeline_parallel_size=2, max_model_len=64, max_num_seqs=4)
+        worker.load_model()
+        worker.runner.profile_run(16)  # (the recurrent decodes' pass included)
+        sizes.append((worker.bytes_per_block(16), worker.mamba_state_bytes(),
+                      worker.determine_num_blocks(16, kv_cache_memory_bytes=1 << 24)))
+    (first_block, first_states, first_blocks), (last_block, last_states, last_blocks) = sizes
+    assert first_block > 0 and last_block == 0 and last_blocks == NO_BLOCK_BOUND
+    assert last_states == 2 * first_states  # (two recurrent layers against one)
+    assert first_blocks == ((1 << 24) - first_states) // first_block
