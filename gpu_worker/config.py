@@ -1341,6 +1341,16 @@ def _nemotron_h_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
             "rope_layers": (False,) * len(kinds)}
 
 
+def _linear_attention_layers(kinds: Any, num_layers: int, named_by: str = "layer_types") -> tuple[bool, ...]:
+    """Per layer whether it is a linear-attention (recurrent) one, from transformers' layer kinds: a
+    list naming each of the num_layers layers "linear_attention" or "full_attention" (Qwen3-Next's,
+    OLMo Hybrid's, Kimi-Linear's, Ling 3's, MiniMax's)."""
+    if not isinstance(kinds, list) or len(kinds) != num_layers or set(kinds) - {"linear_attention", "full_attention"}:
+        raise ValueError(f"{named_by} must name each of the {num_layers} layers 'linear_attention' or "
+                         f"'full_attention', got {kinds!r}")
+    return tuple(kind == "linear_attention" for kind in kinds)
+
+
 def _qwen3_next_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """Qwen3-Next's (and Qwen3.5's) layer kinds (layer_types, else every full_attention_interval-th
     layer full, as transformers reads it) and its Gated DeltaNet geometry."""
@@ -1350,9 +1360,7 @@ def _qwen3_next_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[
     if kinds is None:
         interval = int(cfg.get("full_attention_interval") or 4)
         kinds = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
-    if len(kinds) != num_layers or set(kinds) - {"linear_attention", "full_attention"}:
-        raise ValueError(f"layer_types must name each of the {num_layers} layers 'linear_attention' or "
-                         f"'full_attention', got {kinds!r}")
+    recurrent = _linear_attention_layers(kinds, num_layers)
     k_heads, v_heads = int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"])
     if v_heads % k_heads:
         raise ValueError(f"linear_num_value_heads ({v_heads}) must be a multiple of linear_num_key_heads ({k_heads})")
@@ -1362,7 +1370,7 @@ def _qwen3_next_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[
                                          conv_kernel=int(cfg["linear_conv_kernel_dim"]),
                                          split_projections=arch != "Qwen3NextForCausalLM",
                                          beta_scale=2.0 if cfg.get("linear_allow_neg_eigval") else 1.0),
-            "mamba_layers": tuple(kind == "linear_attention" for kind in kinds),
+            "mamba_layers": recurrent,
             # (OLMo Hybrid's attention without positions where its RoPE base is null)
             **({"rope_layers": (False,) * num_layers} if cfg.get("olmo_hybrid_nope") else {})}
 
@@ -1466,14 +1474,12 @@ def _kimi_linear_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict
     full_attention), its KDA geometry, and no layer rotating."""
     if arch != "KimiLinearForCausalLM":
         return {}
-    kinds = cfg["layer_types"]
-    if len(kinds) != num_layers or set(kinds) - {"linear_attention", "full_attention"}:
-        raise ValueError(f"layer_types (or linear_attn_config's kda_layers and full_attn_layers) must name each of "
-                         f"the {num_layers} layers 'linear_attention' or 'full_attention', got {kinds!r}")
+    recurrent = _linear_attention_layers(cfg["layer_types"], num_layers,
+                                         "layer_types (or linear_attn_config's kda_layers and full_attn_layers)")
     return {"mamba": KimiDeltaAttentionConfig(num_heads=int(cfg["linear_num_heads"]),
                                               head_dim=int(cfg["linear_head_dim"]),
                                               conv_kernel=int(cfg["linear_conv_kernel_dim"])),
-            "mamba_layers": tuple(kind == "linear_attention" for kind in kinds),
+            "mamba_layers": recurrent,
             "rope_layers": (False,) * num_layers}
 
 
@@ -1544,14 +1550,10 @@ def _minimax_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str
     lightning attention's geometry (the attention's heads) and its residual scales."""
     if arch not in MINIMAX_ARCHITECTURES:
         return {}
-    kinds = cfg["layer_types"]
-    if len(kinds) != num_layers or set(kinds) - {"linear_attention", "full_attention"}:
-        raise ValueError(f"layer_types (or attn_type_list) must name each of the {num_layers} layers "
-                         f"'linear_attention' (0) or 'full_attention' (1), got {kinds!r}")
+    recurrent = _linear_attention_layers(cfg["layer_types"], num_layers, "layer_types (or attn_type_list)")
     heads = int(cfg["num_attention_heads"])
     head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
-    return {"mamba": LightningAttentionConfig(num_heads=heads, head_dim=head_dim),
-            "mamba_layers": tuple(kind == "linear_attention" for kind in kinds),
+    return {"mamba": LightningAttentionConfig(num_heads=heads, head_dim=head_dim), "mamba_layers": recurrent,
             "minimax_residual_scales": tuple(float(cfg[ours]) for ours, _ in _MINIMAX_SCALES)}
 
 
@@ -1606,17 +1608,13 @@ def _bailing_hybrid_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> d
     head gates and the experts' SwiGLU clips per layer."""
     if arch != "BailingHybridForCausalLM":
         return {}
-    kinds = cfg["layer_types"]
-    if len(kinds) != num_layers or set(kinds) - {"linear_attention", "full_attention"}:
-        raise ValueError(f"layer_types must name each of the {num_layers} layers 'linear_attention' or "
-                         f"'full_attention', got {kinds!r}")
+    recurrent = _linear_attention_layers(cfg["layer_types"], num_layers)
     head_dim = int(cfg.get("linear_head_dim") or cfg["head_dim"])
     return {"mamba": KimiDeltaAttentionConfig(
                 num_heads=int(cfg["num_attention_heads"]), head_dim=head_dim,
                 conv_kernel=int(cfg["short_conv_kernel_size"]), full_rank_gates=True,
                 gate_lower_bound=float(cfg["kda_lower_bound"]) if cfg["kda_safe_gate"] else None),
-            "mamba_layers": tuple(kind == "linear_attention" for kind in kinds),
-            "mla_head_gate": True, "swiglu_limits": tuple(cfg["swiglu_limits"]),
+            "mamba_layers": recurrent, "mla_head_gate": True, "swiglu_limits": tuple(cfg["swiglu_limits"]),
             "shared_swiglu_limits": tuple(cfg["shared_swiglu_limits"])}
 
 
