@@ -24,7 +24,14 @@ from torch import nn
 
 from gpu_worker.layers.layernorm import RMSNorm
 from gpu_worker.layers.linear import ColumnParallelLinear, RowParallelLinear, tp_rank_and_size
-from gpu_worker.layers.mamba import DepthwiseConv, MambaState, MambaStepMetadata, causal_conv, rank_rows
+from gpu_worker.layers.mamba import (
+    DepthwiseConv,
+    MambaState,
+    MambaStepMetadata,
+    causal_conv,
+    rank_rows,
+    run_recurrence,
+)
 from gpu_worker.layers.weight_utils import copy_into, load_sharded
 from gpu_worker.mamba_config import GatedDeltaNetConfig
 
@@ -76,21 +83,14 @@ def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
 
 def run_delta_rule(state: MambaState, step: MambaStepMetadata, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    g: torch.Tensor, beta: torch.Tensor, chunk_scan: ChunkScan, chunk_size: int) -> torch.Tensor:
-    """A pass's delta rule (q, k, v [T, H, D], g and beta per token, fp32): the decodes' tokens as one
-    batch through the recurrence, each prefill chunk through ``chunk_scan`` from its row's state; the
-    rows' states updated in ``state``. Returns the outputs [T, H, Dv]."""
-    out = torch.empty_like(v)
-    if step.decode_tokens is not None:
-        rows, idx = step.decode_rows, step.decode_tokens
-        o, states = delta_rule_step(q.index_select(0, idx), k.index_select(0, idx), v.index_select(0, idx),
-                                    g.index_select(0, idx), beta.index_select(0, idx),
-                                    state.gather_ssm(rows, step.decode_row_span))
-        state.scatter_ssm(rows, states)
-        out.index_copy_(0, idx, o)
-    for start, end, row in step.prefills:
-        out[start:end], state.ssm[row] = chunk_scan(q[start:end], k[start:end], v[start:end], g[start:end],
-                                                    beta[start:end], state.ssm[row].float(), chunk_size)
-    return out
+    """A pass's delta rule (q, k, v [T, H, D], g and beta per token, fp32; ``chunk_scan`` Gated
+    DeltaNet's or Kimi Delta Attention's): run_recurrence with the token recurrence for the decodes.
+    Returns the outputs [T, H, Dv]."""
+    def decode(idx: torch.Tensor, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return delta_rule_step(*(t.index_select(0, idx) for t in (q, k, v, g, beta)), states)
+
+    return run_recurrence(state, step, torch.empty_like(v), decode,
+                          lambda span, s: chunk_scan(q[span], k[span], v[span], g[span], beta[span], s, chunk_size))
 
 
 def _l2_normed(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

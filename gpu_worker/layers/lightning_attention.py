@@ -22,7 +22,7 @@ from torch import nn
 from gpu_worker import distributed
 from gpu_worker.layers.layernorm import RMSNorm
 from gpu_worker.layers.linear import ColumnParallelLinear, RowParallelLinear, tp_rank_and_size
-from gpu_worker.layers.mamba import MambaState, MambaStepMetadata
+from gpu_worker.layers.mamba import MambaState, MambaStepMetadata, run_recurrence
 from gpu_worker.layers.weight_utils import load_sharded
 from gpu_worker.mamba_config import LightningAttentionConfig
 
@@ -103,16 +103,11 @@ class LightningAttention(nn.Module):
         qkv = F.silu(self.in_proj_qkv.forward(hidden).float()).view(tokens, m.num_heads, 3 * m.head_dim)
         q, k, v = qkv.split(m.head_dim, dim=-1)
         slopes = self.slopes.float()
-        out = torch.empty_like(v)
-        if step.decode_tokens is not None:
-            rows, idx = step.decode_rows, step.decode_tokens
-            o, states = lightning_step(q.index_select(0, idx), k.index_select(0, idx), v.index_select(0, idx),
-                                       slopes, self.state.gather_ssm(rows, step.decode_row_span))
-            self.state.scatter_ssm(rows, states)
-            out.index_copy_(0, idx, o)
-        for start, end, row in step.prefills:
-            out[start:end], self.state.ssm[row] = lightning_chunk_scan(
-                q[start:end], k[start:end], v[start:end], slopes, self.state.ssm[row].float(), m.chunk_size)
+        out = run_recurrence(
+            self.state, step, torch.empty_like(v),
+            lambda idx, states: lightning_step(q.index_select(0, idx), k.index_select(0, idx),
+                                               v.index_select(0, idx), slopes, states),
+            lambda span, state: lightning_chunk_scan(q[span], k[span], v[span], slopes, state, m.chunk_size))
         out = out.reshape(tokens, m.width)
         squares = out.pow(2).sum(-1, keepdim=True)
         if self.tp_size > 1:  # (one norm over every rank's heads)

@@ -14,6 +14,7 @@ arithmetic is in fp32, as the reference kernels accumulate; the SSM state is sto
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,6 +75,28 @@ class MambaState:
         if states.untyped_storage().data_ptr() == self.ssm.untyped_storage().data_ptr():
             return
         self.ssm.index_copy_(0, rows, states.to(self.ssm.dtype))
+
+
+# A pass's decodes as one batch: (their token indices, their states [n, ...] in fp32) -> (outputs, the
+# states updated); a prefill chunk: (its tokens' slice, its row's state in fp32) -> (outputs, state after).
+DecodeStep = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+PrefillScan = Callable[[slice, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def run_recurrence(state: MambaState, step: MambaStepMetadata, out: torch.Tensor, decode: DecodeStep,
+                   prefill: PrefillScan) -> torch.Tensor:
+    """A recurrent mixer's pass (Mamba-2's, Mamba-1's, the delta rule's, lightning attention's): the
+    one-token requests through ``decode`` as one batch, their states read and stored back by row
+    (updated where they lie when their rows are consecutive), then each longer chunk through
+    ``prefill`` from its row's state; each request's outputs written into ``out`` at its tokens."""
+    if step.decode_tokens is not None:
+        rows, tokens = step.decode_rows, step.decode_tokens
+        outputs, states = decode(tokens, state.gather_ssm(rows, step.decode_row_span))
+        state.scatter_ssm(rows, states)
+        out.index_copy_(0, tokens, outputs)
+    for start, end, row in step.prefills:
+        out[start:end], state.ssm[row] = prefill(slice(start, end), state.ssm[row].float())
+    return out
 
 
 def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
@@ -220,17 +243,11 @@ class MambaMixer2(nn.Module):
         gate, xbc, dt = self.in_proj.forward(hidden).split([width, m.conv_dim, m.num_heads], dim=-1)
         x, dt, b, c = self._split(causal_conv(self.state.conv, self.conv1d, xbc, step), dt)
         a = -torch.exp(self.A_log.float())
-        y = torch.empty_like(x)
-        if step.decode_tokens is not None:
-            rows, tokens = step.decode_rows, step.decode_tokens
-            out, state = ssd_step(x.index_select(0, tokens), dt.index_select(0, tokens), a, b.index_select(0, tokens),
-                                  c.index_select(0, tokens), self.state.gather_ssm(rows, step.decode_row_span))
-            self.state.scatter_ssm(rows, state)
-            y.index_copy_(0, tokens, out)
-        for start, end, row in step.prefills:
-            y[start:end], self.state.ssm[row] = ssd_chunk_scan(x[start:end], dt[start:end], a, b[start:end],
-                                                               c[start:end], self.state.ssm[row].float(),
-                                                               m.chunk_size)
+        y = run_recurrence(
+            self.state, step, torch.empty_like(x),
+            lambda idx, states: ssd_step(x.index_select(0, idx), dt.index_select(0, idx), a, b.index_select(0, idx),
+                                         c.index_select(0, idx), states),
+            lambda span, state: ssd_chunk_scan(x[span], dt[span], a, b[span], c[span], state, m.chunk_size))
         y = (y + x * self.D.float()[:, None]).flatten(1).to(hidden.dtype)
         if self.norm is None:  # (Falcon-H1 without mamba_rms_norm: the gate alone)
             return self.out_proj.forward((y.float() * F.silu(gate.float())).to(hidden.dtype))

@@ -24,7 +24,14 @@ from torch import nn
 
 from gpu_worker.layers.layernorm import RMSNorm
 from gpu_worker.layers.linear import ColumnParallelLinear, RowParallelLinear, tp_rank_and_size
-from gpu_worker.layers.mamba import DepthwiseConv, MambaState, MambaStepMetadata, causal_conv, rank_rows
+from gpu_worker.layers.mamba import (
+    DepthwiseConv,
+    MambaState,
+    MambaStepMetadata,
+    causal_conv,
+    rank_rows,
+    run_recurrence,
+)
 from gpu_worker.layers.weight_utils import copy_into, load_sharded
 from gpu_worker.mamba_config import Mamba1Config
 
@@ -142,16 +149,10 @@ class MambaMixer(nn.Module):
         dt = F.softplus(F.linear(dt, self.dt_proj.weight).float() + self.dt_proj.bias.float())
         b, c = b.float(), c.float()
         a = -torch.exp(self.A_log.float())
-        y = torch.empty_like(x)
-        if step.decode_tokens is not None:
-            rows, tokens = step.decode_rows, step.decode_tokens
-            out, state = selective_step(x.index_select(0, tokens), dt.index_select(0, tokens), a,
-                                        b.index_select(0, tokens), c.index_select(0, tokens),
-                                        self.state.gather_ssm(rows, step.decode_row_span))
-            self.state.scatter_ssm(rows, state)
-            y.index_copy_(0, tokens, out)
-        for start, end, row in step.prefills:
-            y[start:end], self.state.ssm[row] = selective_chunk_scan(x[start:end], dt[start:end], a, b[start:end],
-                                                                     c[start:end], self.state.ssm[row].float())
+        y = run_recurrence(
+            self.state, step, torch.empty_like(x),
+            lambda idx, states: selective_step(x.index_select(0, idx), dt.index_select(0, idx), a,
+                                               b.index_select(0, idx), c.index_select(0, idx), states),
+            lambda span, state: selective_chunk_scan(x[span], dt[span], a, b[span], c[span], state))
         y = (y + x * self.D.float()) * F.silu(z.float())
         return self.out_proj.forward(y.to(hidden.dtype))
