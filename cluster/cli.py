@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cluster.config import API_KEY_ENV, default_api_keys, env_switch
-from engine_core.config import KV_CACHE_DTYPE_NAMES, LOGPROBS_MODES, MAMBA_CACHE_DTYPE_NAMES
+from engine_core.config import KV_CACHE_DTYPE_NAMES, LOGPROBS_MODES, MAMBA_CACHE_DTYPE_NAMES, MAMBA_CACHE_MODE_NAMES
 from router.content_format import CONTENT_FORMATS
 from router.multimodal import DEFAULT_LIMIT_PER_PROMPT, DEFAULT_PROCESSOR_CACHE_GB
 from router.reasoning_parsers import REASONING_PARSERS
@@ -385,6 +385,16 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--mamba-ssm-cache-dtype", choices=list(MAMBA_CACHE_DTYPE_NAMES), default=None,
                        help="The recurrent (SSM) state's storage dtype alone; auto: as --mamba-cache-dtype says. "
                             "bfloat16 halves the states' memory (the scans still compute in float32).")
+    serve.add_argument("--mamba-cache-mode", choices=list(MAMBA_CACHE_MODE_NAMES), default=None,
+                       help="What the prefix cache keeps of a model's recurrent layers. none (default): nothing, so "
+                            "prefix caching is off for such models. align: their states where prefill chunks (cut "
+                            "to end on block boundaries, a prompt's last full block in a pass of its own) and "
+                            "decodes reach a block's end, so a prompt seen again, or a conversation's next turn, "
+                            "starts from the last state kept.")
+    serve.add_argument("--mamba-prefix-cache-slots", type=int, default=None,
+                       help="Under --mamba-cache-mode align: how many recurrent states the prefix cache keeps "
+                            "(least recently used reused first), each the size of one request's states, taken "
+                            "from the KV cache's memory. Default: --max-num-seqs.")
     serve.add_argument("--enable-expert-parallel", "-ep", action=SWITCH, default=None,
                        help="Mixture-of-experts models: each of the --tensor-parallel-size ranks holds "
                             "num_experts / tp whole experts, instead of a slice of every expert.")
@@ -700,6 +710,7 @@ def cluster_config_from_args(args: argparse.Namespace):
                 "disable_chunked_mm_input": args.disable_chunked_mm_input, "device": args.device, "dtype": args.dtype,
                 "kv_cache_dtype": args.kv_cache_dtype, "enable_expert_parallel": args.enable_expert_parallel,
                 "mamba_cache_dtype": args.mamba_cache_dtype, "mamba_ssm_cache_dtype": args.mamba_ssm_cache_dtype,
+                "mamba_cache_mode": args.mamba_cache_mode, "mamba_prefix_cache_slots": args.mamba_prefix_cache_slots,
                 "runner": args.runner, "pooler_config": args.pooler_config, "hf_overrides": args.hf_overrides,
                 "mm_processor_kwargs": args.mm_processor_kwargs,
                 "generation_config": _local_dir_path(args.generation_config),

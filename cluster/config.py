@@ -26,6 +26,7 @@ from engine_core.config import (
     LogprobsMode,
     LoRAConfig,
     MambaCacheDType,
+    MambaCacheMode,
     SchedulerConfig,
     SpeculativeConfig,
     layer_partition_from_env,
@@ -83,6 +84,13 @@ class EngineSpec(BaseModel):
     mamba_ssm_cache_dtype: MambaCacheDType | None = Field(
         None, description="The recurrent (SSM) state's storage dtype alone (--mamba-ssm-cache-dtype); auto: as "
                           "mamba_cache_dtype says. bfloat16 halves the states' memory.")
+    mamba_cache_mode: MambaCacheMode | None = Field(
+        None, description="What the prefix cache keeps of recurrent layers (--mamba-cache-mode): none (prefix "
+                          "caching off for such models) or align (their states at block ends of chunks cut to "
+                          "end there).")
+    mamba_prefix_cache_slots: int | None = Field(
+        None, ge=1, description="Under mamba_cache_mode align: how many recurrent states the prefix cache keeps "
+                                "(--mamba-prefix-cache-slots); default max_num_seqs.")
     enable_expert_parallel: bool | None = Field(
         None, description="Mixture-of-experts models: each TP rank holds num_experts / tp whole experts "
                           "(--enable-expert-parallel) instead of a slice of every expert.")
@@ -166,7 +174,7 @@ _DEFAULTS = EngineSpec(
     disable_chunked_mm_input=False, scheduling_policy="fcfs", block_size=16, enable_prefix_caching=True,
     gpu_memory_utilization=0.9,
     tensor_parallel_size=1, pipeline_parallel_size=1, device="auto", dtype="auto", kv_cache_dtype="auto",
-    mamba_cache_dtype="auto", mamba_ssm_cache_dtype="auto", enable_expert_parallel=False,
+    mamba_cache_dtype="auto", mamba_ssm_cache_dtype="auto", mamba_cache_mode="none", enable_expert_parallel=False,
     runner="auto", generation_config="auto", max_logprobs=20, logprobs_mode="raw_logprobs", disable_log_stats=False,
     placement_strategy="PACK", num_cpus_per_worker=1.0, kv_cache_metrics=False,
     kv_cache_metrics_sample=0.01, enable_sleep_mode=False, enable_prompt_embeds=False,
@@ -897,6 +905,7 @@ def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int 
         pp_layer_partition=layer_partition_from_env(s["pipeline_parallel_size"]),
         device=s["device"], dtype=s["dtype"], kv_cache_dtype=s["kv_cache_dtype"],
         mamba_cache_dtype=s["mamba_cache_dtype"], mamba_ssm_cache_dtype=s["mamba_ssm_cache_dtype"],
+        mamba_cache_mode=s["mamba_cache_mode"], mamba_prefix_cache_slots=s["mamba_prefix_cache_slots"],
         enable_expert_parallel=s["enable_expert_parallel"],
         runner=s["runner"], pooler_config=tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
                                                           for k, v in (s["pooler_config"] or {}).items())),

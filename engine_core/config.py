@@ -22,6 +22,10 @@ KV_CACHE_DTYPE_NAMES: tuple[str, ...] = get_args(KVCacheDType)
 # The recurrent layers' state dtypes (vLLM's --mamba-cache-dtype, --mamba-ssm-cache-dtype).
 MambaCacheDType = Literal["auto", "float32", "float16", "bfloat16"]
 MAMBA_CACHE_DTYPE_NAMES: tuple[str, ...] = get_args(MambaCacheDType)
+# What the prefix cache keeps of the recurrent layers (vLLM's --mamba-cache-mode): "none" (nothing:
+# prefix caching is off for such models), "align" (their states at the ends of chunks aligned to blocks).
+MambaCacheMode = Literal["none", "align"]
+MAMBA_CACHE_MODE_NAMES: tuple[str, ...] = get_args(MambaCacheMode)
 
 # vLLM's --logprobs-mode: what the sampled tokens' logprobs (and top logprobs) are. raw_*: the model's
 # logits (after a grammar's mask only), log-softmaxed or not; processed_*: the logits the token is
@@ -191,12 +195,17 @@ class CacheConfig:
     kv_cache_metrics_sample: float | None = None
     # KV offloading: the host-memory tier's size in blocks (0: off; engine_core/core/kv_offload.py).
     num_offload_blocks: int = 0
+    # A model with recurrent layers under --mamba-cache-mode align: how many of their states the prefix
+    # cache keeps at block ends (0: none; engine_core/core/recurrent_state_cache.py).
+    num_recurrent_state_slots: int = 0
 
     def __post_init__(self) -> None:
         _require(isinstance(self.block_size, int) and self.block_size >= 1, "block_size", ">= 1", self.block_size)
         _require(isinstance(self.num_offload_blocks, int) and self.num_offload_blocks >= 0, "num_offload_blocks",
                  ">= 0", self.num_offload_blocks)
         _require(isinstance(self.num_blocks, int) and self.num_blocks >= 1, "num_blocks", ">= 1", self.num_blocks)
+        _require(isinstance(self.num_recurrent_state_slots, int) and self.num_recurrent_state_slots >= 0,
+                 "num_recurrent_state_slots", ">= 0", self.num_recurrent_state_slots)
         _require(self.sliding_window is None or (isinstance(self.sliding_window, int) and self.sliding_window >= 1),
                  "sliding_window", ">= 1", self.sliding_window)
         _require(self.kv_cache_metrics_sample is None or 0.0 < self.kv_cache_metrics_sample <= 1.0,
@@ -429,6 +438,13 @@ class EngineConfig:
     # (gpu_worker.mamba_config.resolve_mamba_state_dtypes).
     mamba_cache_dtype: MambaCacheDType = "auto"
     mamba_ssm_cache_dtype: MambaCacheDType = "auto"
+    # --mamba-cache-mode: "none" turns prefix caching off for them (a hit would skip tokens whose state
+    # is not kept); "align" keeps their states where prefill chunks, cut to end on block boundaries,
+    # and decodes reach a block's end, so that a hit runs to the last state kept
+    # (engine_core/core/recurrent_state_cache.py), in --mamba-prefix-cache-slots slots beside the live
+    # states (None: max_num_seqs of them), taken from the KV cache's memory.
+    mamba_cache_mode: MambaCacheMode = "none"
+    mamba_prefix_cache_slots: int | None = None
     # Mixture-of-experts models: split the experts over the TP ranks (each holds E / tp of them whole)
     # instead of splitting every expert's width (vLLM's --enable-expert-parallel).
     enable_expert_parallel: bool = False
@@ -540,6 +556,11 @@ class EngineConfig:
             for name in ("mamba_cache_dtype", "mamba_ssm_cache_dtype"):
                 _require(getattr(self, name) in MAMBA_CACHE_DTYPE_NAMES, name,
                          f"one of {', '.join(MAMBA_CACHE_DTYPE_NAMES)}", getattr(self, name))
+            _require(self.mamba_cache_mode in MAMBA_CACHE_MODE_NAMES, "mamba_cache_mode",
+                     f"one of {', '.join(MAMBA_CACHE_MODE_NAMES)}", self.mamba_cache_mode)
+            _require(self.mamba_prefix_cache_slots is None or (type(self.mamba_prefix_cache_slots) is int
+                                                               and self.mamba_prefix_cache_slots >= 1),
+                     "mamba_prefix_cache_slots", "None or >= 1", self.mamba_prefix_cache_slots)
             _require(isinstance(self.block_size, int) and self.block_size >= 1, "block_size", ">= 1",
                      self.block_size)
             _require(self.num_gpu_blocks is None or self.num_gpu_blocks >= 1, "num_gpu_blocks",
@@ -620,11 +641,22 @@ class EngineConfig:
             raise ValueError(where + str(e)) from None
 
     def cache_config(self, num_blocks: int, sliding_window: int | None = None,
-                     long_rope_after: int | None = None, num_offload_blocks: int = 0) -> CacheConfig:
+                     long_rope_after: int | None = None, num_offload_blocks: int = 0,
+                     recurrent: bool = False) -> CacheConfig:
+        """The scheduler's cache settings; ``recurrent``: the model has recurrent layers."""
         return CacheConfig(block_size=self.block_size, num_blocks=num_blocks,
                            enable_prefix_caching=self.enable_prefix_caching, sliding_window=sliding_window,
                            long_rope_after=long_rope_after, kv_cache_metrics_sample=self.kv_cache_metrics_sample,
-                           num_offload_blocks=num_offload_blocks)
+                           num_offload_blocks=num_offload_blocks,
+                           num_recurrent_state_slots=self.recurrent_state_slots if recurrent else 0)
+
+    @property
+    def recurrent_state_slots(self) -> int:
+        """The recurrent states the prefix cache keeps, for a model with recurrent layers (0: none,
+        unless --mamba-cache-mode align with prefix caching on)."""
+        if self.mamba_cache_mode != "align" or not self.enable_prefix_caching:
+            return 0
+        return self.mamba_prefix_cache_slots or self.scheduler.max_num_seqs
 
     def kv_offloading_bytes_per_rank(self) -> int:
         """Each worker's share of the KV offloading tier (vLLM's --kv-offloading-size is the tier of

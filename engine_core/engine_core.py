@@ -130,18 +130,19 @@ class EngineCore:
         if self.model_info.encoder_only and config.enable_prefix_caching:
             # (Cached keys of a prefix depend on the tokens after it: a hit would be wrong.)
             self.config = config = dataclasses.replace(config, enable_prefix_caching=False)
-        if self.model_info.mamba and config.enable_prefix_caching:
-            # (A hit would skip tokens whose recurrent state the cache does not hold, as in vLLM,
-            # which turns it off for such models too.)
+        if self.model_info.mamba and config.enable_prefix_caching and config.mamba_cache_mode == "none":
+            # (A hit would skip tokens whose recurrent state the cache does not hold, as in vLLM
+            # without its align mode.)
             logger.warning("engine %d: prefix caching is off: %s has recurrent layers, whose per-request state "
-                           "the prefix cache does not keep", config.engine_index, self.model_info.served_model_name)
+                           "the prefix cache keeps only under --mamba-cache-mode align", config.engine_index,
+                           self.model_info.served_model_name)
             self.config = config = dataclasses.replace(config, enable_prefix_caching=False)
         if config.kv_cache_metrics_sample is not None and not config.enable_prefix_caching:
             # (The residency histograms follow the prefix cache's blocks, as vLLM's: none without it.)
             logger.info("engine %d: --kv-cache-metrics has no effect without prefix caching", config.engine_index)
             self.config = config = dataclasses.replace(config, kv_cache_metrics_sample=None)
         cache_cfg = config.cache_config(num_blocks, self.model_info.sliding_window, self.model_info.long_rope_after,
-                                        self.num_offload_blocks)
+                                        self.num_offload_blocks, recurrent=self.model_info.mamba)
         self.scheduler = Scheduler(sched_cfg, cache_cfg,
                                    log_stats=config.log_stats,
                                    include_finished_set=True,

@@ -167,7 +167,8 @@ class EngineMetrics:
                              "num_gpu_blocks": str(num_blocks),
                              "gpu_memory_utilization": str(config.gpu_memory_utilization),
                              "mamba_cache_dtype": config.mamba_cache_dtype,
-                             "mamba_ssm_cache_dtype": config.mamba_ssm_cache_dtype}
+                             "mamba_ssm_cache_dtype": config.mamba_ssm_cache_dtype,
+                             "mamba_cache_mode": config.mamba_cache_mode}
         self._policy = scheduler_config.policy
         spec = config.speculative_config
         if spec is not None:

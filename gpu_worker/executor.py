@@ -87,6 +87,7 @@ def _worker_kwargs(config: EngineConfig, model: str | Path, max_model_len: int, 
         "kv_cache_dtype": config.kv_cache_dtype,
         "mamba_cache_dtype": config.mamba_cache_dtype,
         "mamba_ssm_cache_dtype": config.mamba_ssm_cache_dtype,
+        "num_recurrent_state_slots": config.recurrent_state_slots,
         "enable_expert_parallel": config.enable_expert_parallel,
         "embedding_only": config.runner == "pooling",
         "hf_overrides": json.loads(config.hf_overrides) if config.hf_overrides else None,
@@ -123,7 +124,7 @@ def _mamba_refusal(config: EngineConfig, model_config: ModelConfig) -> str | Non
     """What an engine cannot do for a model with recurrent layers (Mamba, Mamba-2, Gated DeltaNet, Kimi
     Delta Attention, lightning attention, short convolutions; None: nothing it asks for). Each
     request's state there covers exactly the tokens computed so far: draft tokens would advance it past
-    rejected ones, and another engine's KV or the prefix cache's would come without it."""
+    rejected ones, and another engine's KV or the host tier's would come without it."""
     try:
         model_config.mamba.per_rank(config.tensor_parallel_size)
     except ValueError as e:
@@ -135,7 +136,8 @@ def _mamba_refusal(config: EngineConfig, model_config: ModelConfig) -> str | Non
         return ("prefill/decode disaggregation hands on KV blocks, not their per-request state: drop "
                 "--kv-transfer-config")
     if config.kv_offloading_size is not None:
-        return "KV offloading keeps prefix-cache blocks, and their prefix caching is off: drop --kv-offloading-size"
+        return ("KV offloading brings prefix-cache blocks back without the recurrent states at their ends: drop "
+                "--kv-offloading-size")
     if config.lora_config is not None:
         return "LoRA adapters are not served for them yet: drop --enable-lora"
     return None

@@ -82,7 +82,8 @@ class ModelRunner:
                  kv_cache_dtype: torch.dtype | None = None, max_cpu_loras: int | None = None,
                  max_logprobs: int = 20, logits_processors: LogitsProcessorBatch | None = None,
                  logprobs_mode: str = "raw_logprobs",
-                 mamba_state_dtypes: tuple[torch.dtype, torch.dtype] | None = None) -> None:
+                 mamba_state_dtypes: tuple[torch.dtype, torch.dtype] | None = None,
+                 num_recurrent_state_slots: int = 0) -> None:
         self.config = model_config
         self.device = torch.device(device)
         self.dtype = dtype
@@ -113,6 +114,11 @@ class ModelRunner:
         self.mamba_state_dtypes = mamba_state_dtypes or (dtype, torch.float32)
         self.mamba_mixers: list[MambaMixer2] = []
         self.mamba_states: list[MambaState] = []
+        # The states the prefix cache keeps at block ends (--mamba-cache-mode align), in slots the
+        # scheduler names (engine_core/core/recurrent_state_cache.py): one MambaState of that many rows
+        # per mixer, beside the live ones.
+        self.num_recurrent_state_slots = num_recurrent_state_slots
+        self.kept_states: list[MambaState] = []
         self.block_size = 0
         self.num_blocks = 0
         self.decode_in_place = False
@@ -305,6 +311,7 @@ class ModelRunner:
             for mixer in self.mamba_mixers:
                 mixer.state = None
             self.mamba_states = []
+            self.kept_states = []
             self.asleep.add("kv_cache")
         if "weights" not in self.asleep or level > self.sleep_level:
             for param in self.model.parameters():
@@ -522,7 +529,9 @@ class ModelRunner:
         prompt_lp_chunks = [(i, s.num_computed_tokens) for i, s in enumerate(states) if s.wants_prompt_logprobs]
         num_drafts = (np.fromiter((len(spec.get(r, ())) for r in order), dtype=np.int64, count=len(order))
                       if spec else None)
+        self.copy_kept_states(so.recurrent_state_restores, restore=True)
         hidden, sample_rows, last_rows = self._forward(states, num_sched, num_decodes)
+        self.copy_kept_states(so.recurrent_state_saves, restore=False)
         if hidden is None:  # (a pipeline stage before the last: its hidden states went on to the next)
             return ModelRunnerOutput([], {}, [], None)
         pooler_output = None
@@ -1050,23 +1059,45 @@ class ModelRunner:
         self.mamba_states = [self._new_mamba_state(mixer, rows) for mixer in self.mamba_mixers]
         for mixer, state in zip(self.mamba_mixers, self.mamba_states, strict=True):
             mixer.state = state
+        slots = self.num_recurrent_state_slots
+        self.kept_states = [self._new_mamba_state(mixer, slots) for mixer in self.mamba_mixers] if slots else []
 
     def mamba_step(self, rows: np.ndarray, starts: np.ndarray, query_start_loc: np.ndarray):
         """The pass's recurrent-layer metadata; the state rows of requests starting at token 0 (new, or
         recomputed after preemption) zeroed first. A request's row is its row of the block table,
         which stays its own while it is held (more rows than max_num_seqs: the states grow)."""
-        needed = int(rows.max()) + 1
-        capacity = self.mamba_states[0].ssm.shape[0]
-        if needed > capacity:
-            for state in self.mamba_states:
-                state.conv = torch.cat((state.conv, state.conv.new_zeros((needed - capacity, *state.conv.shape[1:]))))
-                state.ssm = torch.cat((state.ssm, state.ssm.new_zeros((needed - capacity, *state.ssm.shape[1:]))))
+        self._grow_mamba_states(int(rows.max()) + 1)
         fresh = rows[starts == 0]
         if len(fresh):
             index = torch.from_numpy(np.ascontiguousarray(fresh, dtype=np.int64)).to(self.device)
             for state in self.mamba_states:
                 state.zero_rows(index)
         return mamba_step_metadata(rows, query_start_loc, self.device)
+
+    def _grow_mamba_states(self, needed: int) -> None:
+        capacity = self.mamba_states[0].ssm.shape[0]
+        if needed > capacity:
+            for state in self.mamba_states:
+                state.conv = torch.cat((state.conv, state.conv.new_zeros((needed - capacity, *state.conv.shape[1:]))))
+                state.ssm = torch.cat((state.ssm, state.ssm.new_zeros((needed - capacity, *state.ssm.shape[1:]))))
+
+    def copy_kept_states(self, copies: dict[str, int], restore: bool) -> None:
+        """The prefix cache's recurrent-state copies (SchedulerOutput.recurrent_state_restores / _saves):
+        each request's row from its slot (``restore``, before the pass's forward), or into it (after)."""
+        if not copies or not self.kept_states:
+            return
+        rows = torch.tensor([self.requests[r].table_row for r in copies], dtype=torch.int64)
+        slots = torch.tensor(list(copies.values()), dtype=torch.int64)
+        if restore:
+            self._grow_mamba_states(int(rows.max()) + 1)
+        rows, slots = rows.to(self.device), slots.to(self.device)
+        for live, kept in zip(self.mamba_states, self.kept_states, strict=True):
+            if restore:
+                live.conv.index_copy_(0, rows, kept.conv.index_select(0, slots))
+                live.ssm.index_copy_(0, rows, kept.ssm.index_select(0, slots))
+            else:
+                kept.conv.index_copy_(0, slots, live.conv.index_select(0, rows))
+                kept.ssm.index_copy_(0, slots, live.ssm.index_select(0, rows))
 
     def cacheless_num_blocks(self, block_size: int) -> int:
         """An encoder's KV blocks cost no memory (it keeps no cache): enough for the scheduler to

@@ -113,7 +113,7 @@ class Worker:
                  mm_processor_kwargs: dict[str, Any] | None = None, language_model_only: bool = False,
                  videos_refused: bool = False, mtp_drafter: bool = False,
                  draft_method: str = "draft_model", mamba_cache_dtype: str = "auto",
-                 mamba_ssm_cache_dtype: str = "auto") -> None:
+                 mamba_ssm_cache_dtype: str = "auto", num_recurrent_state_slots: int = 0) -> None:
         # ``rank``: over every stage's ranks (stage rank // world_size); ``world_size``: the
         # tensor-parallel ranks of one stage.
         self.rank = rank
@@ -153,6 +153,8 @@ class Worker:
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
         # The recurrent layers' (conv, recurrent) state dtypes.
         self.mamba_state_dtypes = resolve_mamba_state_dtypes(mamba_cache_dtype, mamba_ssm_cache_dtype, self.dtype)
+        # The recurrent states the prefix cache keeps beside the live ones (--mamba-cache-mode align).
+        self.num_recurrent_state_slots = num_recurrent_state_slots if self.model_config.mamba is not None else 0
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -229,7 +231,8 @@ class Worker:
                                   kv_cache_dtype=self.kv_cache_dtype, max_cpu_loras=self.max_cpu_loras,
                                   max_logprobs=self.max_logprobs, logprobs_mode=self.logprobs_mode,
                                   logits_processors=self._logits_processor_batch(),
-                                  mamba_state_dtypes=self.mamba_state_dtypes)
+                                  mamba_state_dtypes=self.mamba_state_dtypes,
+                                  num_recurrent_state_slots=self.num_recurrent_state_slots)
         self.runner.load_model(self._weight_source())
         if self.draft_config is not None and self.draft_config.eagle is not None:
             self.runner.load_eagle_drafter(self.draft_config, self.draft_model_dir, self.num_spec_tokens)
@@ -277,7 +280,7 @@ class Worker:
 
     def mamba_state_bytes(self) -> int:
         """The recurrent layers' states on this rank (its pipeline stage's layers'): a row for each of
-        max_num_seqs requests."""
+        max_num_seqs requests, and one for each state the prefix cache keeps (--mamba-cache-mode align)."""
         config = self.model_config
         if config.mamba is None:
             return 0
@@ -287,7 +290,11 @@ class Worker:
                                                     self.pipeline_parallel_size, self.pp_layer_partition)
             layers = layers[start:end]
         return (config.mamba.per_rank(self.world_size).state_bytes(*self.mamba_state_dtypes) * sum(layers)
-                * self.max_num_seqs)
+                * (self.max_num_seqs + self.num_recurrent_state_slots))
+
+    def _states_held(self) -> str:
+        slots = self.num_recurrent_state_slots
+        return f"{self.max_num_seqs} requests" + (f" and {slots} kept for the prefix cache" if slots else "")
 
     def _num_stage_attention_layers(self) -> int | None:
         """The layers of this rank's pipeline stage that keep a KV cache (None: one stage, all that do):
@@ -316,11 +323,12 @@ class Worker:
             budget = (self._profile_kv_budget(block_size, gpu_memory_utilization) if self.device.type == "cuda"
                       else kv_cache_memory_bytes)
             if budget is not None and budget - states < 0:
-                room = f" and the recurrent states of {self.max_num_seqs} requests ({states} bytes)" if states else ""
+                room = f" and the recurrent states of {self._states_held()} ({states} bytes)" if states else ""
                 share = (f"gpu_memory_utilization={gpu_memory_utilization} of the device"
                          if self.device.type == "cuda" else f"kv_cache_memory_bytes={kv_cache_memory_bytes}")
                 raise ValueError(f"the model, a pass of {self._runner().max_num_batched_tokens} tokens{room} need more "
-                                 f"than {share}: raise it, or lower --max-num-batched-tokens / --max-num-seqs")
+                                 f"than {share}: raise it, or lower --max-num-batched-tokens / --max-num-seqs"
+                                 + (" / --mamba-prefix-cache-slots" if self.num_recurrent_state_slots else ""))
             runner = self._runner()
             num_blocks = (runner.cacheless_num_blocks(block_size) if self.model_config.encoder_only
                           else runner.max_num_seqs * -(-runner.max_model_len // block_size))
@@ -330,19 +338,26 @@ class Worker:
             budget = (self._profile_kv_budget(block_size, gpu_memory_utilization) if self.device.type == "cuda"
                       else kv_cache_memory_bytes)
             if budget is not None and budget < self.mamba_state_bytes():
-                raise ValueError(f"this pipeline stage's recurrent states of {self.max_num_seqs} requests "
+                raise ValueError(f"this pipeline stage's recurrent states of {self._states_held()} "
                                  f"({self.mamba_state_bytes()} bytes) need more than its budget ({budget} bytes): "
-                                 "lower --max-num-seqs")
+                                 "lower --max-num-seqs"
+                                 + (" or --mamba-prefix-cache-slots" if self.num_recurrent_state_slots else ""))
             num_blocks = NO_BLOCK_BOUND
         if num_blocks is None:
             per_block = self.bytes_per_block(block_size)
             if kv_cache_memory_bytes is not None:
-                num_blocks = num_blocks_for_budget(kv_cache_memory_bytes - self.mamba_state_bytes(), per_block)
+                budget = kv_cache_memory_bytes
             elif self.device.type == "cuda":
-                num_blocks = num_blocks_for_budget(
-                    self._profile_kv_budget(block_size, gpu_memory_utilization) - self.mamba_state_bytes(), per_block)
+                budget = self._profile_kv_budget(block_size, gpu_memory_utilization)
             else:
                 raise ValueError("on CPU pass num_blocks or kv_cache_memory_bytes")
+            states = self.mamba_state_bytes()
+            if states and budget - states < per_block:
+                raise ValueError(f"the recurrent states of {self._states_held()} ({states} bytes) leave less than "
+                                 f"one KV block ({per_block} bytes) of the cache's {budget} bytes: give it more "
+                                 "memory, or lower --max-num-seqs"
+                                 + (" / --mamba-prefix-cache-slots" if self.num_recurrent_state_slots else ""))
+            num_blocks = num_blocks_for_budget(budget - states, per_block)
         return distributed.all_reduce_min(num_blocks, self.device)
 
     def _profile_kv_budget(self, block_size: int, gpu_memory_utilization: float) -> int:

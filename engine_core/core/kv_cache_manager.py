@@ -13,6 +13,7 @@ from engine_core.core.block_pool import BlockPool
 from engine_core.core.block_residency import BlockResidency
 from engine_core.core.kv_cache_utils import KVCacheBlock, extend_block_hashes
 from engine_core.core.kv_offload import OffloadTier
+from engine_core.core.recurrent_state_cache import RecurrentStateCache
 from engine_core.outputs import PrefixCacheStats
 from engine_core.request import Request
 
@@ -44,7 +45,8 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  log_stats: bool = True, sliding_window: int | None = None,
                  long_rope_after: int | None = None, kv_cache_metrics_sample: float | None = None,
-                 max_model_len: int | None = None, num_offload_blocks: int = 0) -> None:
+                 max_model_len: int | None = None, num_offload_blocks: int = 0,
+                 num_recurrent_state_slots: int = 0) -> None:
         self.block_size = block_size
         # Lookahead slots (a draft model's) never reach past the longest context a request may have.
         self.max_model_len = max_model_len
@@ -66,6 +68,12 @@ class KVCacheManager:
         if self.offload is not None:
             self.block_pool.on_evict = self.offload.note_evicted
             self.offload.on_event = self.block_pool.record_event
+        # A model with recurrent layers (--mamba-cache-mode align): the states kept at block ends, which
+        # bound every prefix hit (engine_core/core/recurrent_state_cache.py).
+        self.recurrent_states = (RecurrentStateCache(num_recurrent_state_slots)
+                                 if num_recurrent_state_slots and enable_caching else None)
+        # The block hash of the last state each request kept while generating (its answer's).
+        self._generated_state: dict[str, bytes] = {}
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many of a request's leading blocks are registered (or known) in the prefix cache.
         self.num_cached_block: dict[str, int] = {}
@@ -104,6 +112,9 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if self.recurrent_states is not None and hits:
+            # (Recurrent layers start from a kept state: the hit ends where the last one stands.)
+            del hits[self.recurrent_states.longest_hit(request.block_hashes, len(hits)):]
         num_hit_tokens = len(hits) * block_size
         if record:
             self.record_lookup(request, num_hit_tokens)
@@ -140,6 +151,34 @@ class KVCacheManager:
         if self.offload is None:
             return [], []
         return self.offload.take_copies()
+
+    def plan_state_restore(self, request: Request, num_computed_tokens: int) -> None:
+        """A request admitted after a prefix hit of ``num_computed_tokens`` (get_computed_blocks'): its
+        recurrent state is restored from the one kept at the hit's end (nothing without recurrent layers)."""
+        if self.recurrent_states is not None and num_computed_tokens:
+            self.recurrent_states.plan_restore(request.request_id,
+                                               request.block_hashes[num_computed_tokens // self.block_size - 1])
+
+    def plan_state_save(self, request: Request, num_tokens: int) -> None:
+        """A request whose pass leaves ``num_tokens`` computed: where that is a block's end, its recurrent
+        state there is kept (nothing without recurrent layers)."""
+        if self.recurrent_states is None or num_tokens % self.block_size or not num_tokens:
+            return
+        num_blocks = num_tokens // self.block_size
+        if len(request.block_hashes) < num_blocks:  # (hashed when the pass's slots were given)
+            return
+        block_hash = request.block_hashes[num_blocks - 1]
+        generating = num_tokens > request.num_prompt_tokens
+        superseded = self._generated_state.get(request.request_id) if generating else None
+        self.recurrent_states.plan_save(request.request_id, block_hash, superseded)
+        if generating:
+            self._generated_state[request.request_id] = block_hash
+
+    def take_state_copies(self) -> tuple[dict[str, int], dict[str, int]]:
+        """This pass's recurrent-state copies for the workers: (restores, saves), req_id -> slot."""
+        if self.recurrent_states is None:
+            return {}, {}
+        return self.recurrent_states.take_copies()
 
     def _with_lookahead(self, num_tokens: int, num_lookahead_tokens: int) -> int:
         if not num_lookahead_tokens:
@@ -248,6 +287,7 @@ class KVCacheManager:
         """Release the request's blocks, tail first, so its tail is evicted before its prefix."""
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_block.pop(request.request_id, None)
+        self._generated_state.pop(request.request_id, None)
         num_released = self.num_released_block.pop(request.request_id, 0)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks[num_released:]))
@@ -269,6 +309,8 @@ class KVCacheManager:
             return False
         if self.offload is not None:
             self.offload.reset()
+        if self.recurrent_states is not None:
+            self.recurrent_states.reset()
         return True
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats:

@@ -175,7 +175,11 @@ class Scheduler(SchedulerInterface):
             enable_caching=cache_config.enable_prefix_caching, log_stats=log_stats,
             sliding_window=cache_config.sliding_window, long_rope_after=cache_config.long_rope_after,
             kv_cache_metrics_sample=cache_config.kv_cache_metrics_sample, max_model_len=self.max_model_len,
-            num_offload_blocks=cache_config.num_offload_blocks)
+            num_offload_blocks=cache_config.num_offload_blocks,
+            num_recurrent_state_slots=cache_config.num_recurrent_state_slots)
+        # Recurrent layers' states kept at block ends (--mamba-cache-mode align): prefill chunks end on
+        # block boundaries, so that the state after each can be kept for prefix hits.
+        self.aligns_chunks = self.kv_cache_manager.recurrent_states is not None
 
         # Stats counters (deltas since make_stats) and last-pass figures.
         self._num_preemptions = 0
@@ -291,6 +295,8 @@ class Scheduler(SchedulerInterface):
                 num_new_tokens = threshold
             # Running requests are clamped by the budget, never rejected: chunked prefill is this min().
             num_new_tokens = min(num_new_tokens, token_budget)
+            if self.aligns_chunks:
+                num_new_tokens = self._block_aligned(request.num_computed_tokens, num_new_tokens)
             encoder_inputs: list[int] = []
             found = 0
             if request.mm_features and num_new_tokens:
@@ -535,6 +541,8 @@ class Scheduler(SchedulerInterface):
             if not enable_chunked_prefill and num_new_tokens > token_budget:
                 break
             num_new_tokens = min(num_new_tokens, token_budget)
+            if self.aligns_chunks:
+                num_new_tokens = self._block_aligned(num_computed_tokens, num_new_tokens)
             encoder_inputs: list[int] = []
             found = 0
             if request.mm_features:
@@ -562,6 +570,8 @@ class Scheduler(SchedulerInterface):
                 break
             if offloaded:
                 kv_cache_manager.load_offloaded_blocks(request, offloaded, len(new_computed_blocks))
+            if looked_up:  # (recurrent layers: their state at the hit's end is restored)
+                kv_cache_manager.plan_state_restore(request, num_new_local_computed_tokens)
 
             request = request_queue.pop_request()
             # The only append to self.running anywhere: max_num_seqs guards the door, not the room.
@@ -593,6 +603,14 @@ class Scheduler(SchedulerInterface):
         if step_skipped_waiting:
             self.skipped_waiting.prepend_requests(step_skipped_waiting)
         return token_budget
+
+    def _block_aligned(self, num_computed_tokens: int, num_new_tokens: int) -> int:
+        """A chunk cut back to end on the last block boundary it crosses, so that its recurrent states
+        there can be kept (vLLM's align mode); one that crosses none runs whole (a prompt's tail after
+        its last full block, a decode). A prompt's last full block thus ends a chunk of its own: a
+        prompt seen again finds the state there, at the cost of one more pass for its tail."""
+        end = (num_computed_tokens + num_new_tokens) // self.block_size * self.block_size
+        return end - num_computed_tokens if end > num_computed_tokens else num_new_tokens
 
     def _admit_for_remote_kvs(self, request: Request, request_queue: RequestQueue, num_local_computed_tokens: int,
                               num_remote_tokens: int, new_computed_blocks: KVCacheBlocks, record_lookup: bool) -> bool:
@@ -808,6 +826,11 @@ class Scheduler(SchedulerInterface):
                 request.num_computed_tokens += num_scheduled_tokens[request.request_id]
                 if request.mm_features:
                     self._free_encoder_inputs(request)
+                if self.aligns_chunks:  # (its state kept where the pass leaves it on a block's end)
+                    self.kv_cache_manager.plan_state_save(request, request.num_computed_tokens)
+        if self.aligns_chunks:
+            scheduler_output.recurrent_state_restores, scheduler_output.recurrent_state_saves = \
+                self.kv_cache_manager.take_state_copies()
         self._num_steps += 1
         self._num_scheduled_tokens += scheduler_output.total_num_scheduled_tokens
         self._last_step_tokens = scheduler_output.total_num_scheduled_tokens

@@ -138,10 +138,12 @@ def test_gemma3n_and_gemma4_refuse_what_their_layers_cannot_follow(tmp_path, kin
             max_model_len=64, **flags)
 
 
-@pytest.mark.parametrize("kind", ["granitemoehybrid", "bamba", "nemotron_h", "nemotron_h_moe", "mamba2",
-                                  "qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe", "lfm3", "falcon_h1",
-                                  "mamba", "olmo_hybrid", "kimi_linear", "minimax", "bailing_hybrid",
-                                  "falcon_mamba", "jamba", "zamba2"])
+RECURRENT_KINDS = ["granitemoehybrid", "bamba", "nemotron_h", "nemotron_h_moe", "mamba2", "qwen3_next", "qwen3_5",
+                   "qwen3_5_moe", "lfm2", "lfm2_moe", "lfm3", "falcon_h1", "mamba", "olmo_hybrid", "kimi_linear",
+                   "minimax", "bailing_hybrid", "falcon_mamba", "jamba", "zamba2"]
+
+
+@pytest.mark.parametrize("kind", RECURRENT_KINDS)
 def test_mamba_hybrids_recompute_what_a_prefix_cache_would_skip(tmp_path, kind):
     """Granite 4.0-H, Bamba and Nemotron-H (Mamba-2 layers beside attention), a pure Mamba-2 model, and
     Qwen3-Next and Qwen3.5 (Gated DeltaNet layers beside attention), LFM2 (short convolutions),
@@ -163,6 +165,42 @@ def test_mamba_hybrids_recompute_what_a_prefix_cache_would_skip(tmp_path, kind):
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert stats.num_preemptions > 0, "the KV pool was meant to force preemption"
     assert stats.prefix_cache_hits == 0 and stats.num_free_blocks == stats.num_blocks
+
+
+@pytest.mark.parametrize("kind", RECURRENT_KINDS)
+def test_recurrent_models_start_prompts_from_the_states_the_prefix_cache_keeps(tmp_path, kind):
+    """--mamba-cache-mode align, every family with recurrent layers: prefill chunks end on block
+    boundaries and the states there are kept, so a prompt seen again starts after its last full block,
+    and a conversation's next turn after its answer's last full block (the state a decode left there),
+    each restored into the request's row; greedy tokens equal transformers' throughout, through
+    chunked prefill and preemption too (a preempted request resumes from its own kept states)."""
+    from cluster import LLM
+
+    path = _model(tmp_path, kind)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    llm = LLM(model=str(path), dtype="float32", block_size=4, num_gpu_blocks=40, max_num_batched_tokens=16,
+              max_num_seqs=8, max_model_len=128, mamba_cache_mode="align", mamba_prefix_cache_slots=64)
+    try:
+        batch = llm.generate(PROMPTS + PROMPTS[:2], params, use_tqdm=False)
+        preemptions = llm.get_stats()[0].num_preemptions
+        again = llm.generate([PROMPTS[4]], params, use_tqdm=False)[0]
+        answer = llm.generate([PROMPTS[2]], params, use_tqdm=False)[0].outputs[0].token_ids
+        turn = PROMPTS[2] + answer + [9, 8, 7]
+        next_turn = llm.generate([turn], params, use_tqdm=False)[0]
+        stats = llm.get_stats()[0]
+    finally:
+        llm.shutdown()
+    hf = load_hf(path)
+    with torch.no_grad():
+        expected = [hf_greedy(hf, prompt, 12) for prompt in PROMPTS + PROMPTS[:2]]
+        expected_turn = hf_greedy(hf, turn, 12)
+    assert [o.outputs[0].token_ids for o in batch] == expected
+    assert preemptions > 0, "the KV pool was meant to force preemption"
+    # 23 tokens: 20 kept (its last full block); 45 + 11 computed answer tokens = 56 of the 60-token turn.
+    assert again.num_cached_tokens == 20 and again.outputs[0].token_ids == expected[4]
+    assert answer == expected[2]
+    assert next_turn.num_cached_tokens == 56 and next_turn.outputs[0].token_ids == expected_turn
+    assert stats.prefix_cache_hits >= 76 and stats.num_free_blocks == stats.num_blocks
 
 
 @pytest.mark.parametrize("flags, refusal", [

@@ -11,7 +11,7 @@ from cluster.app import router_deployment
 from cluster.cli import build_parser, cluster_config_from_args, main, served_models_line
 from cluster.config import ClusterConfig, EngineSpec
 from cluster.launcher import engine_actor_name
-from engine_core.config import KV_CACHE_DTYPE_NAMES, MAMBA_CACHE_DTYPE_NAMES, EngineConfig
+from engine_core.config import KV_CACHE_DTYPE_NAMES, MAMBA_CACHE_DTYPE_NAMES, MAMBA_CACHE_MODE_NAMES, EngineConfig
 
 
 def _config(*flags: str):
@@ -293,6 +293,26 @@ def test_the_recurrent_state_dtypes_reach_every_engine_and_can_differ_per_engine
         EngineConfig(mamba_ssm_cache_dtype="fp8")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--mamba-cache-dtype", "int8"])
+
+
+def test_the_recurrent_state_prefix_cache_flags_reach_every_engine_and_can_differ_per_engine(tmp_path):
+    overrides = tmp_path / "engines.yaml"
+    overrides.write_text("- {}\n- {mamba_cache_mode: none}\n- {mamba_prefix_cache_slots: 3}\n")
+    engines = _config("--num-engines", "3", "--mamba-cache-mode", "align", "--max-num-seqs", "6",
+                      "--engine-config", str(overrides)).engine_configs()
+    assert [(e.mamba_cache_mode, e.recurrent_state_slots) for e in engines] == [("align", 6), ("none", 0),
+                                                                                ("align", 3)]
+    assert _config().engine_configs()[0].mamba_cache_mode == "none"
+    # (Without prefix caching no state is kept, whatever the mode.)
+    assert _config("--mamba-cache-mode", "align", "--no-enable-prefix-caching").engine_configs()[0] \
+        .recurrent_state_slots == 0
+    assert get_args(get_args(EngineSpec.model_fields["mamba_cache_mode"].annotation)[0]) == MAMBA_CACHE_MODE_NAMES
+    with pytest.raises(ValueError, match="engine 0: mamba_cache_mode must be one of none, align"):
+        EngineConfig(mamba_cache_mode="all")
+    with pytest.raises(ValueError, match="engine 0: mamba_prefix_cache_slots must be None or >= 1"):
+        EngineConfig(mamba_prefix_cache_slots=0)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--mamba-cache-mode", "all"])
 
 
 def test_the_responses_store_is_off_unless_asked_for(monkeypatch):

@@ -54,14 +54,14 @@ def test_one_request_through_the_metrics_as_vllm_reports_it():
 
 def test_cache_config_info_carries_the_kv_cache_settings_as_vllm_does():
     config = EngineConfig(served_model_name="m", engine_index=1, block_size=32, kv_cache_dtype="fp8",
-                          enable_prefix_caching=False, mamba_ssm_cache_dtype="bfloat16")
+                          enable_prefix_caching=False, mamba_ssm_cache_dtype="bfloat16", mamba_cache_mode="align")
     families = _families(EngineMetrics(config, SchedulerConfig(), "m", num_blocks=640))
     [sample] = families["vllm:cache_config_info"].samples
     assert sample.name == "vllm:cache_config_info" and sample.value == 1.0
     assert sample.labels == {"model_name": "m", "engine": "1", "block_size": "32", "cache_dtype": "fp8",
                              "enable_prefix_caching": "False", "num_gpu_blocks": "640",
                              "gpu_memory_utilization": "0.9", "mamba_cache_dtype": "auto",
-                             "mamba_ssm_cache_dtype": "bfloat16"}
+                             "mamba_ssm_cache_dtype": "bfloat16", "mamba_cache_mode": "align"}
 
 
 def test_engine_sleep_state_only_with_sleep_mode_as_vllm_exports_it():

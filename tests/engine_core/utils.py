@@ -24,7 +24,7 @@ def create_scheduler(max_num_seqs: int = 16, max_num_batched_tokens: int = 8192,
                      include_finished_set: bool = False, num_spec_tokens: int = 0,
                      max_loras: int = 0, sliding_window: int | None = None,
                      long_rope_after: int | None = None, num_offload_blocks: int = 0,
-                     max_tokens_per_mm_item: int = 0) -> Scheduler:
+                     max_tokens_per_mm_item: int = 0, num_recurrent_state_slots: int = 0) -> Scheduler:
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         max_num_scheduled_tokens=max_num_scheduled_tokens,
@@ -35,7 +35,8 @@ def create_scheduler(max_num_seqs: int = 16, max_num_batched_tokens: int = 8192,
         max_long_partial_prefills=max_long_partial_prefills, policy=policy)
     cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks,
                                enable_prefix_caching=enable_prefix_caching, sliding_window=sliding_window,
-                               long_rope_after=long_rope_after, num_offload_blocks=num_offload_blocks)
+                               long_rope_after=long_rope_after, num_offload_blocks=num_offload_blocks,
+                               num_recurrent_state_slots=num_recurrent_state_slots)
     return Scheduler(scheduler_config, cache_config, log_stats=log_stats,
                      include_finished_set=include_finished_set, num_spec_tokens=num_spec_tokens,
                      lora_config=LoRAConfig(max_loras=max_loras) if max_loras else None,

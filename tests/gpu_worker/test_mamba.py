@@ -220,6 +220,25 @@ def test_the_cache_budget_counts_attention_layers_and_leaves_room_for_the_states
     assert [tuple(s.ssm.shape) for s in worker.runner.mamba_states] == [(3, 8, 16, 16)] * 3
 
 
+def test_the_states_the_prefix_cache_keeps_come_out_of_the_budget_too(hybrid_model):
+    """--mamba-cache-mode align: the kept states (slots) sit beside the live rows, each one request's
+    states, and the KV blocks get what both leave."""
+    worker = Worker(0, 1, str(hybrid_model), device="cpu", dtype="auto", max_model_len=128, num_cpus=1,
+                    max_num_seqs=3, num_recurrent_state_slots=5)
+    worker.init_distributed()
+    worker.load_model()
+    per_request = (128 + 64) * 3 * 4 + 8 * 16 * 16 * 4
+    assert worker.mamba_state_bytes() == 3 * (3 + 5) * per_request
+    budget = worker.mamba_state_bytes() + worker.bytes_per_block(4) * 10 + 5
+    assert worker.determine_num_blocks(4, kv_cache_memory_bytes=budget) == 10
+    worker.initialize_cache(10, 4)
+    assert [tuple(s.ssm.shape) for s in worker.runner.kept_states] == [(5, 8, 16, 16)] * 3
+    assert [tuple(s.conv.shape) for s in worker.runner.kept_states] == [(5, 128 + 64, 3)] * 3
+    with pytest.raises(ValueError, match=r"states of 3 requests and 5 kept for the prefix cache .* "
+                                         r"--mamba-prefix-cache-slots"):
+        worker.determine_num_blocks(4, kv_cache_memory_bytes=worker.mamba_state_bytes() - 1)
+
+
 @pytest.mark.parametrize("flags, conv_dtype, ssm_dtype", [
     ({"mamba_ssm_cache_dtype": "bfloat16"}, torch.float32, torch.bfloat16),
     ({"mamba_cache_dtype": "float16"}, torch.float16, torch.float16),
