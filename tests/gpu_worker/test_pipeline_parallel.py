@@ -451,6 +451,38 @@ def test_an_engine_of_two_stages_with_recurrent_layers_answers_as_one_worker_doe
         staged.shutdown()
 
 
+@pytest.mark.parametrize("kind", ["granitemoehybrid", "kimi_linear"])
+def test_two_stages_keep_and_restore_their_own_recurrent_states_for_prefix_hits(ray_cluster, tmp_path, kind):
+    """--mamba-cache-mode align over two stages, passes in flight in both: each stage saves and restores
+    its own layers' kept states, in the order the passes come (a state saved by one pass is restored by
+    a later one); the same prompts again start from them, and the answers stay one worker's without
+    prefix caching."""
+    from tests.gpu_worker.utils import save_tiny_model
+    from tests.tiny_model import build_tokenizer
+
+    model_dir = save_tiny_model(tmp_path, kind)
+    build_tokenizer().save_pretrained(model_dir)
+    single = _engine(model_dir, 64)
+    try:
+        expected = _run(single, _requests())
+    finally:
+        single.shutdown()
+    staged = _engine(model_dir, 64, pipeline_parallel_size=2, mamba_cache_mode="align")
+    try:
+        first = _run(staged, _requests())
+        hits_before = staged.stats().prefix_cache_hits
+        again = _run(staged, _requests())
+        stats = staged.stats()
+    finally:
+        staged.shutdown()
+    for got in (first, again):
+        for rid, want in expected.items():
+            assert got[rid]["tokens"] == want["tokens"] and len(want["tokens"]) == 12, rid
+            assert got[rid]["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4), rid
+    # (Each prompt again, from its last full block of 16: 80 + 16 + 0 + 144 tokens.)
+    assert stats.prefix_cache_hits - hits_before == 240
+
+
 def test_a_later_stage_of_a_hybrid_profiles_and_sizes_only_what_it_keeps(tmp_path, stage, monkeypatch):
     """A hybrid's second stage (its last two layers: recurrent alone) runs the memory profile's
     passes from zero hidden states, not token ids; its blocks cost nothing and report no bound (the
