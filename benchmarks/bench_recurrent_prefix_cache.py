@@ -9,7 +9,10 @@ states every turn computes its whole prompt; with them a turn starts after the l
 answer before it (and the first turn after the system prompt's blocks a chunk ended on, when an
 earlier prompt's did). Printed per mode: wall time and its ratio to none, prompt tokens computed and
 cached, mean time to first token, and how many answers are the same both ways (greedy; fp32 sums
-taken in other chunks may differ in the last bits).
+taken in other chunks may differ in the last bits). Then what align costs where nothing is reused:
+the same number of distinct prompts (no shared system prompt), one turn with longer answers (the
+chunks cut to block ends, each prompt's tail in a pass of its own, a state copied out every block of
+prefill chunk and answer).
 Usage: python benchmarks/bench_recurrent_prefix_cache.py [--conversations 8] [--turns 4] [--layers 12]
 """
 
@@ -84,19 +87,28 @@ def main() -> None:
     system = [rng.randrange(100, 49000) for _ in range(args.system_tokens)]
     messages = [[[rng.randrange(100, 49000) for _ in range(args.message_tokens)]
                  for _ in range(args.conversations)] for _ in range(args.turns)]
+    unique = [[[rng.randrange(100, 49000) for _ in range(args.system_tokens + args.message_tokens)]
+               for _ in range(args.conversations)]]
     with tempfile.TemporaryDirectory() as scratch:
         model = build_model(Path(scratch), args.layers)
-        results = {mode: run(model, mode, system, messages, args.answer_tokens) for mode in ("none", "align")}
+        chat = {mode: run(model, mode, system, messages, args.answer_tokens) for mode in ("none", "align")}
+        alone = {mode: run(model, mode, [], unique, 4 * args.answer_tokens) for mode in ("none", "align")}
+    print(f"Granite 4.0-H ({args.layers} layers), random weights, fp32")
+    report(f"chat: {args.conversations} conversations x {args.turns} turns, system prompt {args.system_tokens} "
+           f"tokens, messages {args.message_tokens}, answers {args.answer_tokens}", chat)
+    report(f"nothing reused: {args.conversations} distinct prompts of {args.system_tokens + args.message_tokens} "
+           f"tokens, answers {4 * args.answer_tokens}", alone)
+
+
+def report(title: str, results: dict[str, dict]) -> None:
     base = results["none"]
-    print(f"{args.conversations} conversations x {args.turns} turns, system prompt {args.system_tokens} tokens, "
-          f"messages {args.message_tokens}, answers {args.answer_tokens}; Granite 4.0-H ({args.layers} layers) "
-          "random weights, fp32")
-    print(f"{'mode':8} {'seconds':>8} {'vs none':>8} {'computed':>9} {'cached':>7} {'mean TTFT ms':>13}")
+    print(title)
+    print(f"  {'mode':8} {'seconds':>8} {'vs none':>8} {'computed':>9} {'cached':>7} {'mean TTFT ms':>13}")
     for mode, r in results.items():
-        print(f"{mode:8} {r['seconds']:8.2f} {base['seconds'] / r['seconds']:7.2f}x {r['computed']:9d} "
+        print(f"  {mode:8} {r['seconds']:8.2f} {base['seconds'] / r['seconds']:7.2f}x {r['computed']:9d} "
               f"{r['cached']:7d} {r['ttft_ms']:13.1f}")
     same = sum(a == b for a, b in zip(base["answers"], results["align"]["answers"], strict=True))
-    print(f"answers the same both ways: {same} of {len(base['answers'])}")
+    print(f"  answers the same both ways: {same} of {len(base['answers'])}")
 
 
 if __name__ == "__main__":
