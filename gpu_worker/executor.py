@@ -484,9 +484,11 @@ class UniProcExecutor(_ExecutorBase):
     def determine_num_blocks(self) -> int:
         args = self._block_args()
         if args["num_blocks"] is None and args["kv_cache_memory_bytes"] is None and self._live().device.type == "cpu":
-            # CPU default: enough blocks for max_num_seqs full-length sequences, capped at 1 GiB.
+            # CPU default: enough blocks for max_num_seqs full-length sequences, capped at 1 GiB, and
+            # room for the recurrent states beside them (a model with recurrent layers).
             per_block = self._live().bytes_per_block(self.config.block_size)
-            args["kv_cache_memory_bytes"] = default_cpu_kv_bytes(self.config, self.max_model_len, per_block)
+            args["kv_cache_memory_bytes"] = (default_cpu_kv_bytes(self.config, self.max_model_len, per_block)
+                                             + self._live().mamba_state_bytes())
         return self._live().determine_num_blocks(**args)
 
     def initialize_cache(self, num_blocks: int) -> int:
@@ -619,7 +621,9 @@ class RayWorkerGroupExecutor(_ExecutorBase):
             if device == "cpu":
                 # (The rank holding the most layers: pipeline stages may hold one more than others.)
                 per_block = max(ray.get([w.bytes_per_block.remote(self.config.block_size) for w in self.workers]))
-                args["kv_cache_memory_bytes"] = default_cpu_kv_bytes(self.config, self.max_model_len, per_block)
+                states = max(ray.get([w.mamba_state_bytes.remote() for w in self.workers]))
+                args["kv_cache_memory_bytes"] = (default_cpu_kv_bytes(self.config, self.max_model_len, per_block)
+                                                 + states)
         results = self._run_all("determine_num_blocks", *args.values())
         return min(results)
 

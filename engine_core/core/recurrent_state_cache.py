@@ -9,10 +9,11 @@ was kept: this module keeps such states, each under the hash of the block whose 
 (the hash chains the whole prefix: its tokens, salt, adapter, images), in one of a fixed number of
 slots the workers hold beside the live state rows (least recently used slots are reused first).
 
-The scheduler aligns prefill chunks so that they end on block boundaries (and a prompt's last full
-block ends a chunk of its own), and each pass that leaves a request on a boundary asks for its
-state to be saved there; a new request whose cached blocks run past a saved state starts at the
-last one (its hit is cut back to it), its row restored from the slot.
+The scheduler aligns prefill chunks so that they end on block boundaries (and the last one before
+a prompt's last token, where a repeat of the prompt can start, ends a chunk of its own), and each
+pass that leaves a request on a boundary asks for its state to be saved there; a new request whose
+cached blocks run past a saved state starts at the last one (its hit is cut back to it), its row
+restored from the slot.
 
 This module only decides (no torch): a pass's copies reach the workers as two maps in its
 SchedulerOutput, ``recurrent_state_restores`` (req_id -> slot, copied into the request's row

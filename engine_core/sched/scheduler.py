@@ -177,9 +177,11 @@ class Scheduler(SchedulerInterface):
             kv_cache_metrics_sample=cache_config.kv_cache_metrics_sample, max_model_len=self.max_model_len,
             num_offload_blocks=cache_config.num_offload_blocks,
             num_recurrent_state_slots=cache_config.num_recurrent_state_slots)
-        # Recurrent layers' states kept at block ends (--mamba-cache-mode align): prefill chunks end on
-        # block boundaries, so that the state after each can be kept for prefix hits.
-        self.aligns_chunks = self.kv_cache_manager.recurrent_states is not None
+        # Recurrent layers' states kept at block ends (--mamba-cache-mode align), where passes leave
+        # requests; prefill chunks are cut to end on block boundaries for it, unless chunked prefill is
+        # off (then prompts run whole, as asked, and the states are kept where decodes reach a block's end).
+        self.keeps_recurrent_states = self.kv_cache_manager.recurrent_states is not None
+        self.aligns_chunks = self.keeps_recurrent_states and scheduler_config.enable_chunked_prefill
 
         # Stats counters (deltas since make_stats) and last-pass figures.
         self._num_preemptions = 0
@@ -296,7 +298,7 @@ class Scheduler(SchedulerInterface):
             # Running requests are clamped by the budget, never rejected: chunked prefill is this min().
             num_new_tokens = min(num_new_tokens, token_budget)
             if self.aligns_chunks:
-                num_new_tokens = self._block_aligned(request.num_computed_tokens, num_new_tokens)
+                num_new_tokens = self._block_aligned(request, request.num_computed_tokens, num_new_tokens)
             encoder_inputs: list[int] = []
             found = 0
             if request.mm_features and num_new_tokens:
@@ -542,7 +544,7 @@ class Scheduler(SchedulerInterface):
                 break
             num_new_tokens = min(num_new_tokens, token_budget)
             if self.aligns_chunks:
-                num_new_tokens = self._block_aligned(num_computed_tokens, num_new_tokens)
+                num_new_tokens = self._block_aligned(request, num_computed_tokens, num_new_tokens)
             encoder_inputs: list[int] = []
             found = 0
             if request.mm_features:
@@ -604,13 +606,23 @@ class Scheduler(SchedulerInterface):
             self.skipped_waiting.prepend_requests(step_skipped_waiting)
         return token_budget
 
-    def _block_aligned(self, num_computed_tokens: int, num_new_tokens: int) -> int:
-        """A chunk cut back to end on the last block boundary it crosses, so that its recurrent states
-        there can be kept (vLLM's align mode); one that crosses none runs whole (a prompt's tail after
-        its last full block, a decode). A prompt's last full block thus ends a chunk of its own: a
-        prompt seen again finds the state there, at the cost of one more pass for its tail."""
-        end = (num_computed_tokens + num_new_tokens) // self.block_size * self.block_size
-        return end - num_computed_tokens if end > num_computed_tokens else num_new_tokens
+    def _block_aligned(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
+        """A chunk cut back so that its recurrent states can be kept where it ends (vLLM's align mode):
+        at the last block boundary a prompt seen again may start from (its last full block before its
+        last token, which is always computed) when the chunk crosses it, else at the last block
+        boundary it crosses. So that boundary ends a chunk of its own, at the cost of one more pass for
+        the prompt's tail. A chunk that crosses no boundary runs whole (the tail, a decode), and so does
+        one whose cut would fall inside an image that must be computed whole (no state kept there)."""
+        block_size = self.block_size
+        end = num_computed_tokens + num_new_tokens
+        last = (request.num_tokens - 1) // block_size * block_size
+        cut = last if num_computed_tokens < last < end else end // block_size * block_size
+        if cut <= num_computed_tokens:
+            return num_new_tokens
+        if (request.mm_features and (self.whole_images or self.scheduler_config.disable_chunked_mm_input)
+                and any(f.offset < cut < f.end for f in request.mm_features)):
+            return num_new_tokens
+        return cut - num_computed_tokens
 
     def _admit_for_remote_kvs(self, request: Request, request_queue: RequestQueue, num_local_computed_tokens: int,
                               num_remote_tokens: int, new_computed_blocks: KVCacheBlocks, record_lookup: bool) -> bool:
@@ -826,9 +838,9 @@ class Scheduler(SchedulerInterface):
                 request.num_computed_tokens += num_scheduled_tokens[request.request_id]
                 if request.mm_features:
                     self._free_encoder_inputs(request)
-                if self.aligns_chunks:  # (its state kept where the pass leaves it on a block's end)
+                if self.keeps_recurrent_states:  # (its state kept where the pass leaves it on a block's end)
                     self.kv_cache_manager.plan_state_save(request, request.num_computed_tokens)
-        if self.aligns_chunks:
+        if self.keeps_recurrent_states:
             scheduler_output.recurrent_state_restores, scheduler_output.recurrent_state_saves = \
                 self.kv_cache_manager.take_state_copies()
         self._num_steps += 1

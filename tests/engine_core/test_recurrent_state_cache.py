@@ -112,3 +112,56 @@ def test_without_kept_states_the_scheduler_cuts_nothing_and_asks_for_no_copies()
     assert so.num_scheduled_tokens[request.request_id] == 40
     assert so.recurrent_state_saves == {} and so.recurrent_state_restores == {}
     assert not scheduler.aligns_chunks and scheduler.kv_cache_manager.recurrent_states is None
+
+
+def test_a_prompt_of_whole_blocks_ends_a_chunk_a_block_before_its_end_so_a_repeat_can_start_there():
+    """A repeat always computes its last token: a 48-token prompt (three blocks of 16) may start from 32
+    at most, so its first chunk ends there (a state kept at 48 alone would never be hit)."""
+    scheduler = create_scheduler(max_num_batched_tokens=64, num_recurrent_state_slots=8)
+    (first,) = create_requests(1, num_tokens=48, max_tokens=1, same_prompt=True)
+    scheduler.add_request(first)
+    chunks = []
+    while scheduler.has_unfinished_requests():
+        so, _ = step(scheduler)
+        chunks.append(so.num_scheduled_tokens[first.request_id])
+    assert chunks == [32, 16]
+    (again,) = create_requests(1, num_tokens=48, max_tokens=1, same_prompt=True)
+    scheduler.add_request(again)
+    so, _ = step(scheduler)
+    assert again.num_cached_tokens == 32 and so.recurrent_state_restores == {again.request_id: 0}
+
+
+def test_without_chunked_prefill_prompts_run_whole_and_decodes_keep_the_states():
+    scheduler = create_scheduler(max_num_batched_tokens=128, max_model_len=128, enable_chunked_prefill=False,
+                                 num_recurrent_state_slots=8)
+    (request,) = create_requests(1, num_tokens=100, max_tokens=20)
+    scheduler.add_request(request)
+    so, _ = step(scheduler)
+    assert so.num_scheduled_tokens[request.request_id] == 100 and so.recurrent_state_saves == {}
+    kept_at = []
+    while scheduler.has_unfinished_requests():
+        so, _ = step(scheduler)
+        if so.recurrent_state_saves:
+            kept_at.append(request.num_computed_tokens)
+    assert kept_at == [112]
+
+
+def test_a_chunk_is_not_cut_inside_an_image_that_must_be_computed_whole():
+    """--disable-chunked-mm-input: a 40-token image at 10..50, 50 tokens a pass. Cut to the block
+    boundary at 48 the first chunk would end inside the image, and then stop before it (and every later
+    chunk with it): it runs to 50 uncut (no state kept there); the next is cut at 96 as usual."""
+    import dataclasses
+
+    from tests.engine_core.test_scheduler_encoder import prompt_with, request
+
+    scheduler = create_scheduler(max_num_batched_tokens=50, max_tokens_per_mm_item=40, block_size=16,
+                                 num_recurrent_state_slots=8)
+    scheduler.scheduler_config = dataclasses.replace(scheduler.scheduler_config, disable_chunked_mm_input=True)
+    tokens, features = prompt_with([("a", 10)], 100, length=40)
+    scheduler.add_request(request("r", tokens, features, max_tokens=1))
+    chunks, saves = [], []
+    while scheduler.has_unfinished_requests():
+        so, _ = step(scheduler)
+        chunks.append(so.num_scheduled_tokens["r"])
+        saves.append(so.recurrent_state_saves)
+    assert chunks == [50, 46, 4] and saves == [{}, {"r": 0}, {}]
