@@ -74,6 +74,10 @@ class KVCacheManager:
                                  if num_recurrent_state_slots and enable_caching else None)
         # The block hash of the last state each request kept while generating (its answer's).
         self._generated_state: dict[str, bytes] = {}
+        # Where a request's prompt leaves the run of blocks the KV cache held at its lookup, when that run
+        # went on past the last state kept (the end of a prefix other prompts share): its chunk ends there,
+        # so that a state is kept at it for the next prompt sharing it.
+        self.state_junctions: dict[str, int] = {}
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many of a request's leading blocks are registered (or known) in the prefix cache.
         self.num_cached_block: dict[str, int] = {}
@@ -112,9 +116,14 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        if self.recurrent_states is not None and hits:
+        if self.recurrent_states is not None:
             # (Recurrent layers start from a kept state: the hit ends where the last one stands.)
-            del hits[self.recurrent_states.longest_hit(request.block_hashes, len(hits)):]
+            num_kv_blocks = len(hits)
+            del hits[self.recurrent_states.longest_hit(request.block_hashes, num_kv_blocks):]
+            if num_kv_blocks > len(hits):
+                self.state_junctions[request.request_id] = num_kv_blocks * block_size
+            else:
+                self.state_junctions.pop(request.request_id, None)
         num_hit_tokens = len(hits) * block_size
         if record:
             self.record_lookup(request, num_hit_tokens)
@@ -288,6 +297,7 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_block.pop(request.request_id, None)
         self._generated_state.pop(request.request_id, None)
+        self.state_junctions.pop(request.request_id, None)
         num_released = self.num_released_block.pop(request.request_id, 0)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks[num_released:]))

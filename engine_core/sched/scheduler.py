@@ -608,15 +608,24 @@ class Scheduler(SchedulerInterface):
 
     def _block_aligned(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
         """A chunk cut back so that its recurrent states can be kept where it ends (vLLM's align mode):
-        at the last block boundary a prompt seen again may start from (its last full block before its
-        last token, which is always computed) when the chunk crosses it, else at the last block
-        boundary it crosses. So that boundary ends a chunk of its own, at the cost of one more pass for
-        the prompt's tail. A chunk that crosses no boundary runs whole (the tail, a decode), and so does
-        one whose cut would fall inside an image that must be computed whole (no state kept there)."""
+        where the prompt left the blocks the KV cache held at its lookup, if they ran past the last
+        state kept (the end of a prefix other prompts share: the next of them starts there; vLLM's
+        Marconi admission); else at the last block boundary a prompt seen again may start from (its
+        last full block before its last token, which is always computed) when the chunk crosses it;
+        else at the last block boundary it crosses. So that boundary ends a chunk of its own, at the cost
+        of one more pass for the prompt's tail. A chunk that crosses no boundary runs whole (the tail, a
+        decode), and so does one whose cut would fall inside an image that must be computed whole (no
+        state kept there)."""
         block_size = self.block_size
         end = num_computed_tokens + num_new_tokens
         last = (request.num_tokens - 1) // block_size * block_size
-        cut = last if num_computed_tokens < last < end else end // block_size * block_size
+        junction = self.kv_cache_manager.state_junctions.get(request.request_id, 0)
+        if num_computed_tokens < junction < end:
+            cut = junction
+        elif num_computed_tokens < last < end:
+            cut = last
+        else:
+            cut = end // block_size * block_size
         if cut <= num_computed_tokens:
             return num_new_tokens
         if (request.mm_features and (self.whole_images or self.scheduler_config.disable_chunked_mm_input)

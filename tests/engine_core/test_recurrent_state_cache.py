@@ -165,3 +165,24 @@ def test_a_chunk_is_not_cut_inside_an_image_that_must_be_computed_whole():
         chunks.append(so.num_scheduled_tokens["r"])
         saves.append(so.recurrent_state_saves)
     assert chunks == [50, 46, 4] and saves == [{}, {"r": 0}, {}]
+
+
+def test_where_a_prompt_leaves_a_shared_prefix_the_kv_cache_holds_a_chunk_ends_so_the_next_starts_there():
+    """Prompts that share their first 70 tokens (a system prompt), 48 tokens a pass, blocks of 16. The
+    first keeps states at 48 and 96 (its chunk ends). The second finds four blocks (64 tokens) in the KV
+    cache but a state at 48 only: it starts at 48 and its chunk ends at 64, where the shared blocks end,
+    keeping the state there; the third starts at 64."""
+    scheduler = create_scheduler(max_num_batched_tokens=48, num_recurrent_state_slots=8)
+    shared = list(range(70))
+    prompts = [shared + [1000 * (k + 1) + j for j in range(30)] for k in range(3)]
+    starts, first_chunks = [], []
+    for prompt in prompts:
+        (request,) = create_requests(1, num_tokens=100, max_tokens=1, prefix=prompt)
+        scheduler.add_request(request)
+        so, _ = step(scheduler)
+        starts.append(request.num_cached_tokens)
+        first_chunks.append(so.num_scheduled_tokens[request.request_id])
+        while scheduler.has_unfinished_requests():
+            step(scheduler)
+    assert starts == [0, 48, 64] and first_chunks == [48, 16, 32]
+    assert scheduler.kv_cache_manager.state_junctions == {}
