@@ -1084,7 +1084,7 @@ class ModelRunner:
     def copy_kept_states(self, copies: dict[str, int], restore: bool) -> None:
         """The prefix cache's recurrent-state copies (SchedulerOutput.recurrent_state_restores / _saves):
         each request's row from its slot (``restore``, before the pass's forward), or into it (after)."""
-        if not copies:
+        if not copies or not self.mamba_mixers:  # (a pipeline stage of attention layers alone keeps none)
             return
         if not self.kept_states:  # (the scheduler and the workers count the same slots: never a silent miss)
             raise RuntimeError(f"the scheduler asks for {len(copies)} recurrent-state copies, and this worker keeps "

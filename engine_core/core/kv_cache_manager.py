@@ -168,6 +168,12 @@ class KVCacheManager:
             self.recurrent_states.plan_restore(request.request_id,
                                                request.block_hashes[num_computed_tokens // self.block_size - 1])
 
+    def keeps_state_at(self, request: Request, num_tokens: int) -> bool:
+        """Whether a recurrent state is kept (or planned) after the request's first ``num_tokens`` tokens
+        (a block's end, its blocks hashed)."""
+        states = self.recurrent_states
+        return states is not None and request.block_hashes[num_tokens // self.block_size - 1] in states
+
     def plan_state_save(self, request: Request, num_tokens: int) -> None:
         """A request whose pass leaves ``num_tokens`` computed: where that is a block's end, its recurrent
         state there is kept (nothing without recurrent layers)."""

@@ -10,8 +10,9 @@ was kept: this module keeps such states, each under the hash of the block whose 
 slots the workers hold beside the live state rows (least recently used slots are reused first).
 
 The scheduler aligns prefill chunks so that they end on block boundaries (and the last one before
-a prompt's last token, where a repeat of the prompt can start, ends a chunk of its own), and each
-pass that leaves a request on a boundary asks for its state to be saved there; a new request whose
+a prompt's last token, where a repeat of the prompt can start, ends a chunk of its own, as does the
+end of the blocks a prompt found in the KV cache past the last state kept: a shared prefix's), and
+each pass that leaves a request on a boundary asks for its state to be saved there; a new request whose
 cached blocks run past a saved state starts at the last one (its hit is cut back to it), its row
 restored from the slot.
 
@@ -57,6 +58,10 @@ class RecurrentStateCache:
             if block_hashes[n - 1] in slot_of:
                 return n
         return 0
+
+    def __contains__(self, block_hash: BlockHash) -> bool:
+        """Whether a state is kept (or planned this pass) at the end of the block ``block_hash``."""
+        return block_hash in self._slot_of
 
     def plan_restore(self, request_id: str, block_hash: BlockHash) -> None:
         """The request starts after the block ``block_hash`` (longest_hit found it): its row is

@@ -613,25 +613,26 @@ class Scheduler(SchedulerInterface):
         Marconi admission); else at the last block boundary a prompt seen again may start from (its
         last full block before its last token, which is always computed) when the chunk crosses it;
         else at the last block boundary it crosses. So that boundary ends a chunk of its own, at the cost
-        of one more pass for the prompt's tail. A chunk that crosses no boundary runs whole (the tail, a
-        decode), and so does one whose cut would fall inside an image that must be computed whole (no
-        state kept there)."""
+        of one more pass for the prompt's tail. A cut that would fall inside an image that must be computed
+        whole goes back to the boundary before the image. A chunk that crosses no boundary runs whole (the
+        tail, a decode; no state kept where it ends)."""
         block_size = self.block_size
         end = num_computed_tokens + num_new_tokens
         last = (request.num_tokens - 1) // block_size * block_size
         junction = self.kv_cache_manager.state_junctions.get(request.request_id, 0)
-        if num_computed_tokens < junction < end:
+        if num_computed_tokens < junction < end and not self.kv_cache_manager.keeps_state_at(request, junction):
             cut = junction
         elif num_computed_tokens < last < end:
             cut = last
         else:
             cut = end // block_size * block_size
-        if cut <= num_computed_tokens:
-            return num_new_tokens
-        if (request.mm_features and (self.whole_images or self.scheduler_config.disable_chunked_mm_input)
-                and any(f.offset < cut < f.end for f in request.mm_features)):
-            return num_new_tokens
-        return cut - num_computed_tokens
+        if request.mm_features and (self.whole_images or self.scheduler_config.disable_chunked_mm_input):
+            # (back to the boundary before an image the cut would fall inside)
+            inside = next((f for f in request.mm_features if f.offset < cut < f.end), None)
+            while inside is not None and cut > num_computed_tokens:
+                cut = inside.offset // block_size * block_size
+                inside = next((f for f in request.mm_features if f.offset < cut < f.end), None)
+        return cut - num_computed_tokens if cut > num_computed_tokens else num_new_tokens
 
     def _admit_for_remote_kvs(self, request: Request, request_queue: RequestQueue, num_local_computed_tokens: int,
                               num_remote_tokens: int, new_computed_blocks: KVCacheBlocks, record_lookup: bool) -> bool:

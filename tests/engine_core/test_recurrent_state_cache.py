@@ -186,3 +186,23 @@ def test_where_a_prompt_leaves_a_shared_prefix_the_kv_cache_holds_a_chunk_ends_s
             step(scheduler)
     assert starts == [0, 48, 64] and first_chunks == [48, 16, 32]
     assert scheduler.kv_cache_manager.state_junctions == {}
+
+
+def test_a_cut_inside_an_image_that_must_be_computed_whole_goes_back_to_the_boundary_before_it():
+    """--disable-chunked-mm-input, an image at 90..110 of a 130-token prompt, 100 tokens a pass: the cut
+    at 96 would end inside the image; it goes back to 80, the boundary before it (a state kept there)."""
+    import dataclasses
+
+    from tests.engine_core.test_scheduler_encoder import prompt_with, request
+
+    scheduler = create_scheduler(max_num_batched_tokens=100, max_tokens_per_mm_item=20, block_size=16,
+                                 num_recurrent_state_slots=8)
+    scheduler.scheduler_config = dataclasses.replace(scheduler.scheduler_config, disable_chunked_mm_input=True)
+    tokens, features = prompt_with([("a", 90)], 130, length=20)
+    scheduler.add_request(request("r", tokens, features, max_tokens=1))
+    chunks, saves = [], []
+    while scheduler.has_unfinished_requests():
+        so, _ = step(scheduler)
+        chunks.append(so.num_scheduled_tokens["r"])
+        saves.append(so.recurrent_state_saves)
+    assert chunks == [80, 48, 2] and saves == [{"r": 0}, {"r": 1}, {}]

@@ -451,16 +451,19 @@ def test_an_engine_of_two_stages_with_recurrent_layers_answers_as_one_worker_doe
         staged.shutdown()
 
 
-@pytest.mark.parametrize("kind", ["granitemoehybrid", "kimi_linear"])
-def test_two_stages_keep_and_restore_their_own_recurrent_states_for_prefix_hits(ray_cluster, tmp_path, kind):
+@pytest.mark.parametrize("kind, overrides", [
+    ("granitemoehybrid", {}), ("kimi_linear", {}),
+    ("granitemoehybrid", {"layer_types": ["attention", "attention", "mamba", "mamba"]})])
+def test_two_stages_keep_and_restore_their_own_recurrent_states_for_prefix_hits(ray_cluster, tmp_path, kind,
+                                                                                 overrides):
     """--mamba-cache-mode align over two stages, passes in flight in both: each stage saves and restores
     its own layers' kept states, in the order the passes come (a state saved by one pass is restored by
-    a later one); the same prompts again start from them, and the answers stay one worker's without
-    prefix caching."""
+    a later one; a stage of attention layers alone keeps none); the same prompts again start from them,
+    and the answers stay one worker's without prefix caching."""
     from tests.gpu_worker.utils import save_tiny_model
     from tests.tiny_model import build_tokenizer
 
-    model_dir = save_tiny_model(tmp_path, kind)
+    model_dir = save_tiny_model(tmp_path, kind, **overrides)
     build_tokenizer().save_pretrained(model_dir)
     single = _engine(model_dir, 64)
     try:
