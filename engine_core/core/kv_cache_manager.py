@@ -72,8 +72,8 @@ class KVCacheManager:
         # bound every prefix hit (engine_core/core/recurrent_state_cache.py).
         self.recurrent_states = (RecurrentStateCache(num_recurrent_state_slots)
                                  if num_recurrent_state_slots and enable_caching else None)
-        # The block hash of the last state each request kept while generating (its answer's).
-        self._generated_state: dict[str, bytes] = {}
+        # The block hash of the last state each request kept (not at a shared prefix's end).
+        self._own_state: dict[str, bytes] = {}
         # Where a request's prompt leaves the run of blocks the KV cache held at its lookup, when that run
         # went on past the last state kept (the end of a prefix other prompts share): its chunk ends there,
         # so that a state is kept at it for the next prompt sharing it.
@@ -183,11 +183,12 @@ class KVCacheManager:
         if len(request.block_hashes) < num_blocks:  # (hashed when the pass's slots were given)
             return
         block_hash = request.block_hashes[num_blocks - 1]
-        generating = num_tokens > request.num_prompt_tokens
-        superseded = self._generated_state.get(request.request_id) if generating else None
-        self.recurrent_states.plan_save(request.request_id, block_hash, superseded)
-        if generating:
-            self._generated_state[request.request_id] = block_hash
+        # (Its newer state makes the one it kept before the first to go, unless that one ends a prefix
+        # other prompts share: the state at a junction is kept for them.)
+        req_id = request.request_id
+        self.recurrent_states.plan_save(req_id, block_hash, self._own_state.get(req_id))
+        if self.state_junctions.get(req_id) != num_tokens:
+            self._own_state[req_id] = block_hash
 
     def take_state_copies(self) -> tuple[dict[str, int], dict[str, int]]:
         """This pass's recurrent-state copies for the workers: (restores, saves), req_id -> slot."""
@@ -302,7 +303,7 @@ class KVCacheManager:
         """Release the request's blocks, tail first, so its tail is evicted before its prefix."""
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_block.pop(request.request_id, None)
-        self._generated_state.pop(request.request_id, None)
+        self._own_state.pop(request.request_id, None)
         self.state_junctions.pop(request.request_id, None)
         num_released = self.num_released_block.pop(request.request_id, 0)
         if blocks:

@@ -76,8 +76,9 @@ class RecurrentStateCache:
         """The request's state after this pass stands at the end of the block ``block_hash``: kept
         there, unless a state for that prefix is kept already (it would be the same one), or every
         slot is pinned by this pass's restores and saves. ``supersedes``: the state the request kept
-        last while generating, which this longer one makes the first to reuse (a conversation's next
-        turn starts from its answer's last state; one from part-way through it is seldom asked for)."""
+        last, which this longer one makes the first to reuse (a conversation's next turn starts from its
+        answer's last state, a prompt seen again from its last; one from part-way through is seldom
+        asked for: shared prefixes get their own, at their end)."""
         if supersedes is not None and supersedes in self._slot_of:
             self._slot_of.move_to_end(supersedes, last=False)
         if block_hash in self._slot_of:
