@@ -146,25 +146,33 @@ def test_without_chunked_prefill_prompts_run_whole_and_decodes_keep_the_states()
     assert kept_at == [112]
 
 
-def test_a_chunk_is_not_cut_inside_an_image_that_must_be_computed_whole():
-    """--disable-chunked-mm-input: a 40-token image at 10..50, 50 tokens a pass. Cut to the block
-    boundary at 48 the first chunk would end inside the image, and then stop before it (and every later
-    chunk with it): it runs to 50 uncut (no state kept there); the next is cut at 96 as usual."""
+def _image_prompt_passes(budget: int, image_at: int, image_len: int, num_tokens: int
+                         ) -> tuple[list[int], list[dict[str, int]]]:
+    """One prompt with an image that must be computed whole (--disable-chunked-mm-input), blocks of 16,
+    ``budget`` tokens a pass: each pass's chunk and recurrent-state saves."""
     import dataclasses
 
     from tests.engine_core.test_scheduler_encoder import prompt_with, request
 
-    scheduler = create_scheduler(max_num_batched_tokens=50, max_tokens_per_mm_item=40, block_size=16,
+    scheduler = create_scheduler(max_num_batched_tokens=budget, max_tokens_per_mm_item=image_len, block_size=16,
                                  num_recurrent_state_slots=8)
     scheduler.scheduler_config = dataclasses.replace(scheduler.scheduler_config, disable_chunked_mm_input=True)
-    tokens, features = prompt_with([("a", 10)], 100, length=40)
+    tokens, features = prompt_with([("a", image_at)], num_tokens, length=image_len)
     scheduler.add_request(request("r", tokens, features, max_tokens=1))
     chunks, saves = [], []
     while scheduler.has_unfinished_requests():
         so, _ = step(scheduler)
         chunks.append(so.num_scheduled_tokens["r"])
         saves.append(so.recurrent_state_saves)
-    assert chunks == [50, 46, 4] and saves == [{}, {"r": 0}, {}]
+    return chunks, saves
+
+
+def test_a_chunk_is_not_cut_inside_an_image_that_must_be_computed_whole():
+    """A 40-token image at 10..50, 50 tokens a pass. Cut to the block boundary at 48 the first chunk
+    would end inside the image, and then stop before it (and every later chunk with it); there is no
+    boundary before the image to go back to: it runs to 50 uncut (no state kept there); the next is cut
+    at 96 as usual."""
+    assert _image_prompt_passes(50, 10, 40, 100) == ([50, 46, 4], [{}, {"r": 0}, {}])
 
 
 def test_where_a_prompt_leaves_a_shared_prefix_the_kv_cache_holds_a_chunk_ends_so_the_next_starts_there():
@@ -189,20 +197,6 @@ def test_where_a_prompt_leaves_a_shared_prefix_the_kv_cache_holds_a_chunk_ends_s
 
 
 def test_a_cut_inside_an_image_that_must_be_computed_whole_goes_back_to_the_boundary_before_it():
-    """--disable-chunked-mm-input, an image at 90..110 of a 130-token prompt, 100 tokens a pass: the cut
-    at 96 would end inside the image; it goes back to 80, the boundary before it (a state kept there)."""
-    import dataclasses
-
-    from tests.engine_core.test_scheduler_encoder import prompt_with, request
-
-    scheduler = create_scheduler(max_num_batched_tokens=100, max_tokens_per_mm_item=20, block_size=16,
-                                 num_recurrent_state_slots=8)
-    scheduler.scheduler_config = dataclasses.replace(scheduler.scheduler_config, disable_chunked_mm_input=True)
-    tokens, features = prompt_with([("a", 90)], 130, length=20)
-    scheduler.add_request(request("r", tokens, features, max_tokens=1))
-    chunks, saves = [], []
-    while scheduler.has_unfinished_requests():
-        so, _ = step(scheduler)
-        chunks.append(so.num_scheduled_tokens["r"])
-        saves.append(so.recurrent_state_saves)
-    assert chunks == [80, 48, 2] and saves == [{"r": 0}, {"r": 1}, {}]
+    """An image at 90..110 of a 130-token prompt, 100 tokens a pass: the cut at 96 would end inside the
+    image; it goes back to 80, the boundary before it (a state kept there)."""
+    assert _image_prompt_passes(100, 90, 20, 130) == ([80, 48, 2], [{"r": 0}, {"r": 1}, {}])
