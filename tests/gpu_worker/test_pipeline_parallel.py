@@ -451,15 +451,17 @@ def test_an_engine_of_two_stages_with_recurrent_layers_answers_as_one_worker_doe
         staged.shutdown()
 
 
-@pytest.mark.parametrize("kind, overrides", [
-    ("granitemoehybrid", {}), ("kimi_linear", {}),
-    ("granitemoehybrid", {"layer_types": ["attention", "attention", "mamba", "mamba"]})])
-def test_two_stages_keep_and_restore_their_own_recurrent_states_for_prefix_hits(ray_cluster, tmp_path, kind,
-                                                                                 overrides):
+@pytest.mark.parametrize("kind, overrides, parallel", [
+    ("granitemoehybrid", {}, {"pipeline_parallel_size": 2}), ("kimi_linear", {}, {"pipeline_parallel_size": 2}),
+    ("granitemoehybrid", {"layer_types": ["attention", "attention", "mamba", "mamba"]}, {"pipeline_parallel_size": 2}),
+    ("granitemoehybrid", {}, {"tensor_parallel_size": 2})])
+def test_stages_and_tensor_ranks_keep_and_restore_their_own_recurrent_states(ray_cluster, tmp_path, kind,
+                                                                              overrides, parallel):
     """--mamba-cache-mode align over two stages, passes in flight in both: each stage saves and restores
     its own layers' kept states, in the order the passes come (a state saved by one pass is restored by
-    a later one; a stage of attention layers alone keeps none); the same prompts again start from them,
-    and the answers stay one worker's without prefix caching."""
+    a later one; a stage of attention layers alone keeps none); and over two tensor-parallel ranks, each
+    its own heads' states. The same prompts again start from them, and the answers stay one worker's
+    without prefix caching."""
     from tests.gpu_worker.utils import save_tiny_model
     from tests.tiny_model import build_tokenizer
 
@@ -470,7 +472,7 @@ def test_two_stages_keep_and_restore_their_own_recurrent_states_for_prefix_hits(
         expected = _run(single, _requests())
     finally:
         single.shutdown()
-    staged = _engine(model_dir, 64, pipeline_parallel_size=2, mamba_cache_mode="align")
+    staged = _engine(model_dir, 64, mamba_cache_mode="align", **parallel)
     try:
         first = _run(staged, _requests())
         hits_before = staged.stats().prefix_cache_hits
