@@ -572,6 +572,12 @@ CASES = {
 }
 
 
+# Cases whose transformers fp32 forward strays further from exact than ours: the reference is
+# transformers in float64. (OLMo Hybrid's default head widths: its chunked gated delta rule in fp32 is
+# 3.9e-4 off its own float64 logits on some CPUs, ours 4.9e-5.)
+FLOAT64_REFERENCE = {"olmo_hybrid_defaults"}
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_match_transformers(tmp_path, case):
     kind, overrides = CASES[case]
@@ -581,7 +587,10 @@ def test_logits_match_transformers(tmp_path, case):
     prompt = [(7 * i + 3) % 256 for i in range(45)]  # 45 tokens: past original_max_position_embeddings
     ours = prefill_logits(runner, prompt, [5, 2, 9, 0, 11, 3, 7, 8, 1, 4, 6, 10])
     with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0]
+        if case in FLOAT64_REFERENCE:
+            ref = hf.double()(torch.tensor([prompt])).logits[0].float()
+        else:
+            ref = hf(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
 
 
