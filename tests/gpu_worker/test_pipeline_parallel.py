@@ -155,6 +155,21 @@ def _requests() -> list[EngineCoreRequest]:
             for k, prompt in enumerate(prompts)]
 
 
+def _one_workers_answers(model_dir, num_gpu_blocks: int) -> dict[str, dict[str, Any]]:
+    """_requests()' answers from an engine of one worker (what the parallel engines must equal)."""
+    single = _engine(model_dir, num_gpu_blocks)
+    try:
+        return _run(single, _requests())
+    finally:
+        single.shutdown()
+
+
+def _assert_same_answers(got: dict[str, dict[str, Any]], expected: dict[str, dict[str, Any]]) -> None:
+    for rid, want in expected.items():
+        assert got[rid]["tokens"] == want["tokens"] and len(want["tokens"]) == 12, rid
+        assert got[rid]["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4), rid
+
+
 @pytest.mark.parametrize("tp,pp,num_layers,tie,blocks,partition", [
     (1, 2, 3, True, 16, None), (1, 3, 3, False, 16, None), (2, 2, 4, False, 48, None), (1, 2, 4, False, 48, (3, 1))])
 def test_an_engine_of_several_stages_answers_as_one_worker_does(ray_cluster, tmp_path, tp, pp, num_layers, tie,
@@ -162,11 +177,7 @@ def test_an_engine_of_several_stages_answers_as_one_worker_does(ray_cluster, tmp
     """Passes overlap (one in each stage at once), through chunked prefills and, with 16 blocks,
     preemptions of requests whose pass is still in flight."""
     model_dir = build_tiny_llama(tmp_path, num_layers=num_layers, tie=tie)
-    single = _engine(model_dir, blocks)
-    try:
-        expected = _run(single, _requests())
-    finally:
-        single.shutdown()
+    expected = _one_workers_answers(model_dir, blocks)
     staged = _engine(model_dir, blocks, tensor_parallel_size=tp, pipeline_parallel_size=pp,
                      pp_layer_partition=partition)
     in_flight: list[int] = []
@@ -187,9 +198,7 @@ def test_an_engine_of_several_stages_answers_as_one_worker_does(ray_cluster, tmp
                             for w in staged.executor.workers])
             assert tuple(held) == partition
         got = _run(staged, _requests())
-        for rid, want in expected.items():
-            assert got[rid]["tokens"] == want["tokens"] and len(want["tokens"]) == 12, rid
-            assert got[rid]["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4), rid
+        _assert_same_answers(got, expected)
         assert max(in_flight) == pp
         if blocks == 16:
             assert staged.stats().num_preemptions > 0, "16 blocks were meant to force preemptions"
@@ -428,11 +437,7 @@ def test_an_engine_of_two_stages_with_recurrent_layers_answers_as_one_worker_doe
 
     model_dir = save_tiny_model(tmp_path, kind)
     build_tokenizer().save_pretrained(model_dir)
-    single = _engine(model_dir, 16)
-    try:
-        expected = _run(single, _requests())
-    finally:
-        single.shutdown()
+    expected = _one_workers_answers(model_dir, 16)
     staged = _engine(model_dir, 16, pipeline_parallel_size=2)
     try:
         import ray
@@ -443,9 +448,7 @@ def test_an_engine_of_two_stages_with_recurrent_layers_answers_as_one_worker_doe
         layers = ModelConfig.from_pretrained(model_dir).mamba_layers
         assert held == [sum(layers[:2]), sum(layers[2:])]  # (each stage its own layers' mixers)
         got = _run(staged, _requests())
-        for rid, want in expected.items():
-            assert got[rid]["tokens"] == want["tokens"] and len(want["tokens"]) == 12, rid
-            assert got[rid]["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4), rid
+        _assert_same_answers(got, expected)
         assert staged.stats().num_preemptions > 0, "16 blocks were meant to force preemptions"
     finally:
         staged.shutdown()
@@ -467,11 +470,7 @@ def test_stages_and_tensor_ranks_keep_and_restore_their_own_recurrent_states(ray
 
     model_dir = save_tiny_model(tmp_path, kind, **overrides)
     build_tokenizer().save_pretrained(model_dir)
-    single = _engine(model_dir, 64)
-    try:
-        expected = _run(single, _requests())
-    finally:
-        single.shutdown()
+    expected = _one_workers_answers(model_dir, 64)
     staged = _engine(model_dir, 64, mamba_cache_mode="align", **parallel)
     try:
         first = _run(staged, _requests())
@@ -480,10 +479,8 @@ def test_stages_and_tensor_ranks_keep_and_restore_their_own_recurrent_states(ray
         stats = staged.stats()
     finally:
         staged.shutdown()
-    for got in (first, again):
-        for rid, want in expected.items():
-            assert got[rid]["tokens"] == want["tokens"] and len(want["tokens"]) == 12, rid
-            assert got[rid]["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4), rid
+    _assert_same_answers(first, expected)
+    _assert_same_answers(again, expected)
     # (Each prompt again, from its last full block of 16: 80 + 16 + 0 + 144 tokens.)
     assert stats.prefix_cache_hits - hits_before == 240
 
