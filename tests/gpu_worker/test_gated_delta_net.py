@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.layers.gated_delta_net import GatedDeltaNet, delta_rule_chunk_scan, delta_rule_step
+from gpu_worker.layers.gated_delta_net import GatedDeltaNet, delta_rule_chunk_scan
 from gpu_worker.mamba_config import GatedDeltaNetConfig
-from tests.gpu_worker.utils import check_random_delta_rule_mixer_carries_state
+from tests.gpu_worker.utils import check_chunk_scan_is_the_recurrence, check_random_delta_rule_mixer_carries_state
 
 
 def _inputs(length: int, heads: int = 4, dk: int = 8, dv: int = 6, seed: int = 0):
@@ -25,14 +25,7 @@ def _inputs(length: int, heads: int = 4, dk: int = 8, dv: int = 6, seed: int = 0
 @pytest.mark.parametrize("chunk_size", [1, 4, 16, 64])
 def test_the_chunked_delta_rule_is_the_recurrence(chunk_size):
     """37 tokens from a nonzero state: every output and the final state are the recurrence's."""
-    q, k, v, decay, beta, state = _inputs(37)
-    out, final = delta_rule_chunk_scan(q, k, v, decay, beta, state, chunk_size)
-    s, outs = state[None], []
-    for t in range(37):
-        o, s = delta_rule_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], decay[t:t + 1], beta[t:t + 1], s)
-        outs.append(o[0])
-    torch.testing.assert_close(out, torch.stack(outs), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(final, s[0], atol=1e-5, rtol=1e-5)
+    check_chunk_scan_is_the_recurrence(delta_rule_chunk_scan, _inputs(37), chunk_size)
 
 
 def test_the_delta_rule_is_transformers_reference():

@@ -1382,6 +1382,21 @@ DELTA_RULE_PIECES_PLAN = [[(2, 0, 1), (3, 0, 5)], [(3, 5, 6), (2, 1, 7)], [(2, 7
                           [(2, 8, 9), (3, 8, 12)]]
 
 
+def check_chunk_scan_is_the_recurrence(chunk_scan, inputs: tuple[torch.Tensor, ...], chunk_size: int) -> None:
+    """A delta rule's chunked scan (q, k, v, decay, beta, state, chunk_size -> outputs, final state) over
+    ``inputs`` from their state: every output and the final state are delta_rule_step's, token by token."""
+    from gpu_worker.layers.gated_delta_net import delta_rule_step
+
+    q, k, v, decay, beta, state = inputs
+    out, final = chunk_scan(q, k, v, decay, beta, state, chunk_size)
+    s, outs = state[None].clone(), []
+    for t in range(q.shape[0]):
+        o, s = delta_rule_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], decay[t:t + 1], beta[t:t + 1], s)
+        outs.append(o[0])
+    torch.testing.assert_close(out, torch.stack(outs), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(final, s[0], atol=1e-5, rtol=1e-5)
+
+
 def check_random_delta_rule_mixer_carries_state(mixer: torch.nn.Module, width: int) -> None:
     """A delta-rule mixer (Gated DeltaNet, Kimi Delta Attention) with random parameters (matrices at
     0.3, vectors at 0.5) over DELTA_RULE_PIECES_PLAN: each piece's outputs are the whole run's."""
