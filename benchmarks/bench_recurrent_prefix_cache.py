@@ -6,13 +6,13 @@ heads of 64 with states of 128, one attention layer in six), with SmolLM2's toke
 chat: N conversations that share a system prompt, each turn the whole conversation so far (the
 previous answers included) and a new user message, every conversation once per turn. Without kept
 states every turn computes its whole prompt; with them a turn starts after the last full block of the
-answer before it (and the first turn after the system prompt's blocks a chunk ended on, when an
-earlier prompt's did). Printed per mode: wall time and its ratio to none, prompt tokens computed and
+answer before it (and the first turn after the system prompt's blocks, once an earlier prompt kept
+a state where they end). Printed per mode: wall time and its ratio to none, prompt tokens computed and
 cached, mean time to first token, and how many answers are the same both ways (greedy; fp32 sums
 taken in other chunks may differ in the last bits). Then what align costs where nothing is reused:
-the same number of distinct prompts (no shared system prompt), one turn with longer answers (the
-chunks cut to block ends, each prompt's tail in a pass of its own, a state copied out every block of
-prefill chunk and answer).
+the same number of distinct prompts (no shared system prompt), one turn with longer answers (states
+copied out where each prefill pass reaches its last block boundary and before each prompt's last
+token, the chunk's recurrent scan in pieces that end there, and every block of answer).
 Usage: python benchmarks/bench_recurrent_prefix_cache.py [--conversations 8] [--turns 4] [--layers 12]
 """
 

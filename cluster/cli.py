@@ -387,11 +387,12 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                             "bfloat16 halves the states' memory (the scans still compute in float32).")
     serve.add_argument("--mamba-cache-mode", choices=list(MAMBA_CACHE_MODE_NAMES), default=None,
                        help="What the prefix cache keeps of a model's recurrent layers. none (default): nothing, so "
-                            "prefix caching is off for such models. align: their states where prefill chunks (cut "
-                            "to end on block boundaries, the last one before a prompt's last token and the end of a "
-                            "prefix shared with earlier prompts each in a pass of its own) and decodes reach a "
-                            "block's end, so a prompt seen again, one sharing a system prompt, or a conversation's "
-                            "next turn starts from the last state kept.")
+                            "prefix caching is off for such models. align: their states at the block boundaries "
+                            "worth keeping that prefill chunks and decodes pass (the last each pass reaches, the "
+                            "last before a prompt's last token, the end of a prefix shared with earlier prompts), "
+                            "copied out inside the pass (chunks are not cut for it), so a prompt seen again, one "
+                            "sharing a system prompt, or a conversation's next turn starts from the last state "
+                            "kept.")
     serve.add_argument("--mamba-prefix-cache-slots", type=int, default=None,
                        help="Under --mamba-cache-mode align: how many recurrent states the prefix cache keeps "
                             "(least recently used reused first), each the size of one request's states, taken "

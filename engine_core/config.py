@@ -23,7 +23,7 @@ KV_CACHE_DTYPE_NAMES: tuple[str, ...] = get_args(KVCacheDType)
 MambaCacheDType = Literal["auto", "float32", "float16", "bfloat16"]
 MAMBA_CACHE_DTYPE_NAMES: tuple[str, ...] = get_args(MambaCacheDType)
 # What the prefix cache keeps of the recurrent layers (vLLM's --mamba-cache-mode): "none" (nothing:
-# prefix caching is off for such models), "align" (their states at the ends of chunks aligned to blocks).
+# prefix caching is off for such models), "align" (their states at block boundaries the passes cross).
 MambaCacheMode = Literal["none", "align"]
 MAMBA_CACHE_MODE_NAMES: tuple[str, ...] = get_args(MambaCacheMode)
 
@@ -439,8 +439,8 @@ class EngineConfig:
     mamba_cache_dtype: MambaCacheDType = "auto"
     mamba_ssm_cache_dtype: MambaCacheDType = "auto"
     # --mamba-cache-mode: "none" turns prefix caching off for them (a hit would skip tokens whose state
-    # is not kept); "align" keeps their states where prefill chunks, cut to end on block boundaries,
-    # and decodes reach a block's end, so that a hit runs to the last state kept
+    # is not kept); "align" keeps their states at the block boundaries worth keeping that prefill chunks
+    # and decodes cross (chunks are not cut for it), so that a hit runs to the last state kept
     # (engine_core/core/recurrent_state_cache.py), in --mamba-prefix-cache-slots slots beside the live
     # states (None: max_num_seqs of them), taken from the KV cache's memory.
     mamba_cache_mode: MambaCacheMode = "none"

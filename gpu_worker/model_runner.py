@@ -529,9 +529,10 @@ class ModelRunner:
         prompt_lp_chunks = [(i, s.num_computed_tokens) for i, s in enumerate(states) if s.wants_prompt_logprobs]
         num_drafts = (np.fromiter((len(spec.get(r, ())) for r in order), dtype=np.int64, count=len(order))
                       if spec else None)
+        kept_within, kept_at_end = self._kept_state_positions(so.recurrent_state_saves, so.num_scheduled_tokens)
         self.copy_kept_states(so.recurrent_state_restores, restore=True)
-        hidden, sample_rows, last_rows = self._forward(states, num_sched, num_decodes)
-        self.copy_kept_states(so.recurrent_state_saves, restore=False)
+        hidden, sample_rows, last_rows = self._forward(states, num_sched, num_decodes, kept_within)
+        self.copy_kept_states(kept_at_end, restore=False)
         if hidden is None:  # (a pipeline stage before the last: its hidden states went on to the next)
             return ModelRunnerOutput([], {}, [], None)
         pooler_output = None
@@ -838,13 +839,15 @@ class ModelRunner:
             at = end
         return entries
 
-    def _forward(self, states: list[RequestState], num_sched: np.ndarray, num_decodes: int
+    def _forward(self, states: list[RequestState], num_sched: np.ndarray, num_decodes: int,
+                 kept_within: dict[str, list[tuple[int, int]]] | None = None
                  ) -> tuple[torch.Tensor | None, list[int], np.ndarray]:
         """Run the model over this pass's tokens: every row's final hidden state, the indexes of the
         requests whose chunk reaches the end of what they know (they sample, or are embedded), and
         each request's last row. Under pipeline parallelism this stage's layers run on what the
         previous stage sent, and a stage before the last sends its output on and returns no hidden
-        states."""
+        states. ``kept_within``: recurrent states the prefix cache keeps part-way through a request's
+        chunk (_kept_state_positions)."""
         if self.config.encoder_only:
             return self._forward_encoder(states, num_sched)
         block_size = self.block_size
@@ -879,7 +882,9 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.set_batch([s.lora_int_id for s in states], query_start_loc)
         if self.mamba_mixers:
-            meta.mamba = self.mamba_step(rows, starts, query_start_loc)
+            within = ({i: kept_within[s.req_id] for i, s in enumerate(states) if s.req_id in kept_within}
+                      if kept_within else None)
+            meta.mamba = self.mamba_step(rows, starts, query_start_loc, within)
 
         # A request samples once its chunk reaches the end of everything it knows (prompt done).
         total_known = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=num_reqs)
@@ -1061,18 +1066,22 @@ class ModelRunner:
             mixer.state = state
         slots = self.num_recurrent_state_slots
         self.kept_states = [self._new_mamba_state(mixer, slots) for mixer in self.mamba_mixers] if slots else []
+        for live, kept in zip(self.mamba_states, self.kept_states, strict=False):
+            live.kept = kept  # (the mixers copy states kept part-way through a chunk into these)
 
-    def mamba_step(self, rows: np.ndarray, starts: np.ndarray, query_start_loc: np.ndarray):
+    def mamba_step(self, rows: np.ndarray, starts: np.ndarray, query_start_loc: np.ndarray,
+                   kept_within: dict[int, list[tuple[int, int]]] | None = None):
         """The pass's recurrent-layer metadata; the state rows of requests starting at token 0 (new, or
         recomputed after preemption) zeroed first. A request's row is its row of the block table,
-        which stays its own while it is held (more rows than max_num_seqs: the states grow)."""
+        which stays its own while it is held (more rows than max_num_seqs: the states grow).
+        ``kept_within``: request index -> states kept part-way through its chunk (mamba_step_metadata)."""
         self._grow_mamba_states(int(rows.max()) + 1)
         fresh = rows[starts == 0]
         if len(fresh):
             index = torch.from_numpy(np.ascontiguousarray(fresh, dtype=np.int64)).to(self.device)
             for state in self.mamba_states:
                 state.zero_rows(index)
-        return mamba_step_metadata(rows, query_start_loc, self.device)
+        return mamba_step_metadata(rows, query_start_loc, self.device, kept_within)
 
     def _grow_mamba_states(self, needed: int) -> None:
         capacity = self.mamba_states[0].ssm.shape[0]
@@ -1080,6 +1089,32 @@ class ModelRunner:
             for state in self.mamba_states:
                 state.conv = torch.cat((state.conv, state.conv.new_zeros((needed - capacity, *state.conv.shape[1:]))))
                 state.ssm = torch.cat((state.ssm, state.ssm.new_zeros((needed - capacity, *state.ssm.shape[1:]))))
+
+    def _kept_state_positions(self, saves: dict[str, list[tuple[int, int]]], num_scheduled_tokens: dict[str, int]
+                              ) -> tuple[dict[str, list[tuple[int, int]]], dict[str, int]]:
+        """The prefix cache's recurrent-state saves (SchedulerOutput.recurrent_state_saves: req_id ->
+        [(position, slot)]) as this pass makes them: those inside a request's chunk (req_id -> [(tokens
+        into the chunk, slot)]: the mixers copy them out where their scan passes them) and those at its
+        end (req_id -> slot: copied after the forward)."""
+        within: dict[str, list[tuple[int, int]]] = {}
+        at_end: dict[str, int] = {}
+        if not saves or not self.mamba_mixers:  # (a pipeline stage of attention layers alone keeps none)
+            return within, at_end
+        if not self.kept_states:  # (the scheduler and the workers count the same slots: never a silent miss)
+            raise RuntimeError(f"the scheduler asks for {len(saves)} requests' recurrent states kept, and this "
+                               "worker keeps no recurrent states")
+        for req_id, kept in saves.items():
+            start = self.requests[req_id].num_computed_tokens
+            end = start + num_scheduled_tokens[req_id]
+            for position, slot in kept:
+                if position == end:
+                    at_end[req_id] = slot
+                elif start < position < end:
+                    within.setdefault(req_id, []).append((position - start, slot))
+                else:
+                    raise ValueError(f"request {req_id!r}: a recurrent state kept at {position}, outside this "
+                                     f"pass's tokens {start} to {end}")
+        return within, at_end
 
     def copy_kept_states(self, copies: dict[str, int], restore: bool) -> None:
         """The prefix cache's recurrent-state copies (SchedulerOutput.recurrent_state_restores / _saves):

@@ -168,17 +168,24 @@ class KVCacheManager:
             self.recurrent_states.plan_restore(request.request_id,
                                                request.block_hashes[num_computed_tokens // self.block_size - 1])
 
-    def keeps_state_at(self, request: Request, num_tokens: int) -> bool:
-        """Whether a recurrent state is kept (or planned) after the request's first ``num_tokens`` tokens
-        (a block's end, its blocks hashed)."""
-        states = self.recurrent_states
-        return states is not None and request.block_hashes[num_tokens // self.block_size - 1] in states
-
-    def plan_state_save(self, request: Request, num_tokens: int) -> None:
-        """A request whose pass leaves ``num_tokens`` computed: where that is a block's end, its recurrent
-        state there is kept (nothing without recurrent layers)."""
-        if self.recurrent_states is None or num_tokens % self.block_size or not num_tokens:
+    def plan_state_saves(self, request: Request, start: int, end: int) -> None:
+        """A request whose pass computes its tokens ``start`` to ``end``: its recurrent states kept at the
+        block boundaries in between worth keeping (nothing without recurrent layers): where its prompt
+        left the blocks the KV cache held at its lookup, if they ran past the last state kept (the end
+        of a prefix other prompts share: the next of them starts there); the last boundary before its
+        last token (a prompt seen again starts there at most: its last token is always computed); and
+        the last boundary the pass reaches (the request goes on from there). The workers copy each out
+        where the pass's scan passes it."""
+        if self.recurrent_states is None:
             return
+        block_size = self.block_size
+        junction = self.state_junctions.get(request.request_id, 0)
+        last = (request.num_tokens - 1) // block_size * block_size
+        positions = {p for p in (junction, last, end // block_size * block_size) if start < p <= end}
+        for position in sorted(positions):
+            self._plan_state_save(request, position)
+
+    def _plan_state_save(self, request: Request, num_tokens: int) -> None:
         num_blocks = num_tokens // self.block_size
         if len(request.block_hashes) < num_blocks:  # (hashed when the pass's slots were given)
             return
@@ -186,12 +193,13 @@ class KVCacheManager:
         # (Its newer state makes the one it kept before the first to go, unless that one ends a prefix
         # other prompts share: the state at a junction is kept for them.)
         req_id = request.request_id
-        self.recurrent_states.plan_save(req_id, block_hash, self._own_state.get(req_id))
+        self.recurrent_states.plan_save(req_id, block_hash, num_tokens, self._own_state.get(req_id))
         if self.state_junctions.get(req_id) != num_tokens:
             self._own_state[req_id] = block_hash
 
-    def take_state_copies(self) -> tuple[dict[str, int], dict[str, int]]:
-        """This pass's recurrent-state copies for the workers: (restores, saves), req_id -> slot."""
+    def take_state_copies(self) -> tuple[dict[str, int], dict[str, list[tuple[int, int]]]]:
+        """This pass's recurrent-state copies for the workers: restores (req_id -> slot) and saves
+        (req_id -> [(position, slot)])."""
         if self.recurrent_states is None:
             return {}, {}
         return self.recurrent_states.take_copies()

@@ -9,18 +9,23 @@ was kept: this module keeps such states, each under the hash of the block whose 
 (the hash chains the whole prefix: its tokens, salt, adapter, images), in one of a fixed number of
 slots the workers hold beside the live state rows (least recently used slots are reused first).
 
-The scheduler aligns prefill chunks so that they end on block boundaries (and the last one before
-a prompt's last token, where a repeat of the prompt can start, ends a chunk of its own, as does the
-end of the blocks a prompt found in the KV cache past the last state kept: a shared prefix's), and
-each pass that leaves a request on a boundary asks for its state to be saved there; a new request whose
-cached blocks run past a saved state starts at the last one (its hit is cut back to it), its row
-restored from the slot.
+Chunks are not cut for it (vLLM's align mode cuts them to end on block boundaries, at the cost of a
+pass more for a prompt's tail): the workers' mixers split a request's chunk where a state is to be
+kept and copy it out there, inside the same forward. Each pass, the scheduler asks for a request's
+states at the block boundaries its chunk crosses that are worth keeping: the end of the blocks a prompt
+found in the KV cache past the last state kept (a shared prefix's: the next prompt sharing it starts
+there; vLLM's Marconi admission), the last boundary before the prompt's last token (where a repeat of
+the prompt can start, its last token always computed) and the last boundary the chunk reaches (where
+the request goes on from: its next chunk's, or its next turn's, start). A new request whose cached
+blocks run past a kept state starts at the last one (its hit is cut back to it), its row restored from
+the slot.
 
 This module only decides (no torch): a pass's copies reach the workers as two maps in its
 SchedulerOutput, ``recurrent_state_restores`` (req_id -> slot, copied into the request's row
-before the forward) and ``recurrent_state_saves`` (req_id -> slot, the row copied out after it). A
-slot a pass restores from or saves into is never taken by another of the same pass's saves; the
-workers run passes in order, so a state saved in one pass is there for the next pass's restores.
+before the forward) and ``recurrent_state_saves`` (req_id -> [(position, slot)]: the state after the
+request's first ``position`` tokens, which lie in this pass's chunk, copied into the slot). A slot a
+pass restores from or saves into is never taken by another of the same pass's saves; the workers run
+passes in order, so a state saved in one pass is there for the next pass's restores.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ class RecurrentStateCache:
         self._free_slots = list(range(num_slots - 1, -1, -1))
         # This pass's copies, and the slots its restores pin.
         self._restores: dict[str, int] = {}
-        self._saves: dict[str, int] = {}
+        self._saves: dict[str, list[tuple[int, int]]] = {}
         self._pinned: set[int] = set()
         # Counters since the start: states saved, requests restored.
         self.num_saved = 0
@@ -72,13 +77,15 @@ class RecurrentStateCache:
         self._pinned.add(slot)
         self.num_restored += 1
 
-    def plan_save(self, request_id: str, block_hash: BlockHash, supersedes: BlockHash | None = None) -> None:
-        """The request's state after this pass stands at the end of the block ``block_hash``: kept
-        there, unless a state for that prefix is kept already (it would be the same one), or every
-        slot is pinned by this pass's restores and saves. ``supersedes``: the state the request kept
-        last, which this longer one makes the first to reuse (a conversation's next turn starts from its
-        answer's last state, a prompt seen again from its last; one from part-way through is seldom
-        asked for: shared prefixes get their own, at their end)."""
+    def plan_save(self, request_id: str, block_hash: BlockHash, position: int,
+                  supersedes: BlockHash | None = None) -> None:
+        """The request's state after its first ``position`` tokens (this pass computes them) stands at
+        the end of the block ``block_hash``: kept there, unless a state for that prefix is kept already
+        (it would be the same one), or every slot is pinned by this pass's restores and saves.
+        ``supersedes``: the state the request kept last, which this longer one makes the first to reuse
+        (a conversation's next turn starts from its answer's last state, a prompt seen again from its
+        last; one from part-way through is seldom asked for: shared prefixes get their own, at their
+        end)."""
         if supersedes is not None and supersedes in self._slot_of:
             self._slot_of.move_to_end(supersedes, last=False)
         if block_hash in self._slot_of:
@@ -92,11 +99,11 @@ class RecurrentStateCache:
                 return
             slot = self._slot_of.pop(victim)
         self._slot_of[block_hash] = slot
-        self._saves[request_id] = slot
+        self._saves.setdefault(request_id, []).append((position, slot))
         self._pinned.add(slot)
         self.num_saved += 1
 
-    def take_copies(self) -> tuple[dict[str, int], dict[str, int]]:
+    def take_copies(self) -> tuple[dict[str, int], dict[str, list[tuple[int, int]]]]:
         """This pass's copies for the workers (restores, saves); the next pass starts afresh."""
         restores, saves = self._restores, self._saves
         self._restores, self._saves, self._pinned = {}, {}, set()

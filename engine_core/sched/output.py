@@ -88,11 +88,13 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     # the forward; their rows stay cached by identifier until named in free_encoder_mm_hashes.
     scheduled_encoder_inputs: dict[str, list[int]] = msgspec.field(default_factory=dict)
     free_encoder_mm_hashes: list[str] = msgspec.field(default_factory=list)
-    # Recurrent layers' states kept for the prefix cache (engine_core/core/recurrent_state_cache.py),
-    # req_id -> slot: restores copy a slot into the request's state row before the forward, saves copy
-    # the row into a slot after it.
+    # Recurrent layers' states kept for the prefix cache (engine_core/core/recurrent_state_cache.py):
+    # restores (req_id -> slot) copy a slot into the request's state row before the forward; saves
+    # (req_id -> [(position, slot)], positions ascending, each past the request's start in this pass and
+    # at most its end) copy its state after its first ``position`` tokens into the slot, where the
+    # recurrent layers' scan passes it.
     recurrent_state_restores: dict[str, int] = msgspec.field(default_factory=dict)
-    recurrent_state_saves: dict[str, int] = msgspec.field(default_factory=dict)
+    recurrent_state_saves: dict[str, list[tuple[int, int]]] = msgspec.field(default_factory=dict)
 
     @classmethod
     def make_empty(cls) -> SchedulerOutput:

@@ -177,11 +177,9 @@ class Scheduler(SchedulerInterface):
             kv_cache_metrics_sample=cache_config.kv_cache_metrics_sample, max_model_len=self.max_model_len,
             num_offload_blocks=cache_config.num_offload_blocks,
             num_recurrent_state_slots=cache_config.num_recurrent_state_slots)
-        # Recurrent layers' states kept at block ends (--mamba-cache-mode align), where passes leave
-        # requests; prefill chunks are cut to end on block boundaries for it, unless chunked prefill is
-        # off (then prompts run whole, as asked, and the states are kept where decodes reach a block's end).
+        # Recurrent layers' states kept at block boundaries the passes cross (--mamba-cache-mode align;
+        # chunks are not cut for it: the workers copy a state out where a chunk's scan passes it).
         self.keeps_recurrent_states = self.kv_cache_manager.recurrent_states is not None
-        self.aligns_chunks = self.keeps_recurrent_states and scheduler_config.enable_chunked_prefill
 
         # Stats counters (deltas since make_stats) and last-pass figures.
         self._num_preemptions = 0
@@ -297,8 +295,6 @@ class Scheduler(SchedulerInterface):
                 num_new_tokens = threshold
             # Running requests are clamped by the budget, never rejected: chunked prefill is this min().
             num_new_tokens = min(num_new_tokens, token_budget)
-            if self.aligns_chunks:
-                num_new_tokens = self._block_aligned(request, request.num_computed_tokens, num_new_tokens)
             encoder_inputs: list[int] = []
             found = 0
             if request.mm_features and num_new_tokens:
@@ -543,8 +539,6 @@ class Scheduler(SchedulerInterface):
             if not enable_chunked_prefill and num_new_tokens > token_budget:
                 break
             num_new_tokens = min(num_new_tokens, token_budget)
-            if self.aligns_chunks:
-                num_new_tokens = self._block_aligned(request, num_computed_tokens, num_new_tokens)
             encoder_inputs: list[int] = []
             found = 0
             if request.mm_features:
@@ -605,34 +599,6 @@ class Scheduler(SchedulerInterface):
         if step_skipped_waiting:
             self.skipped_waiting.prepend_requests(step_skipped_waiting)
         return token_budget
-
-    def _block_aligned(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
-        """A chunk cut back so that its recurrent states can be kept where it ends (vLLM's align mode):
-        where the prompt left the blocks the KV cache held at its lookup, if they ran past the last
-        state kept (the end of a prefix other prompts share: the next of them starts there; vLLM's
-        Marconi admission); else at the last block boundary a prompt seen again may start from (its
-        last full block before its last token, which is always computed) when the chunk crosses it;
-        else at the last block boundary it crosses. So that boundary ends a chunk of its own, at the cost
-        of one more pass for the prompt's tail. A cut that would fall inside an image that must be computed
-        whole goes back to the boundary before the image. A chunk that crosses no boundary runs whole (the
-        tail, a decode; no state kept where it ends)."""
-        block_size = self.block_size
-        end = num_computed_tokens + num_new_tokens
-        last = (request.num_tokens - 1) // block_size * block_size
-        junction = self.kv_cache_manager.state_junctions.get(request.request_id, 0)
-        if num_computed_tokens < junction < end and not self.kv_cache_manager.keeps_state_at(request, junction):
-            cut = junction
-        elif num_computed_tokens < last < end:
-            cut = last
-        else:
-            cut = end // block_size * block_size
-        if request.mm_features and (self.whole_images or self.scheduler_config.disable_chunked_mm_input):
-            # (back to the boundary before an image the cut would fall inside)
-            inside = next((f for f in request.mm_features if f.offset < cut < f.end), None)
-            while inside is not None and cut > num_computed_tokens:
-                cut = inside.offset // block_size * block_size
-                inside = next((f for f in request.mm_features if f.offset < cut < f.end), None)
-        return cut - num_computed_tokens if cut > num_computed_tokens else num_new_tokens
 
     def _admit_for_remote_kvs(self, request: Request, request_queue: RequestQueue, num_local_computed_tokens: int,
                               num_remote_tokens: int, new_computed_blocks: KVCacheBlocks, record_lookup: bool) -> bool:
@@ -845,11 +811,12 @@ class Scheduler(SchedulerInterface):
         num_scheduled_tokens = scheduler_output.num_scheduled_tokens
         for requests in scheduled:
             for request in requests:
+                start = request.num_computed_tokens
                 request.num_computed_tokens += num_scheduled_tokens[request.request_id]
                 if request.mm_features:
                     self._free_encoder_inputs(request)
-                if self.keeps_recurrent_states:  # (its state kept where the pass leaves it on a block's end)
-                    self.kv_cache_manager.plan_state_save(request, request.num_computed_tokens)
+                if self.keeps_recurrent_states:  # (its states kept at block boundaries the pass crosses)
+                    self.kv_cache_manager.plan_state_saves(request, start, request.num_computed_tokens)
         if self.keeps_recurrent_states:
             scheduler_output.recurrent_state_restores, scheduler_output.recurrent_state_saves = \
                 self.kv_cache_manager.take_state_copies()

@@ -158,7 +158,7 @@ class GatedDeltaNet(nn.Module):
         m = self.config
         tokens, per_key = hidden.shape[0], m.num_v_heads // m.num_k_heads
         qkv, z, b, a = self._inputs(hidden)
-        conv = F.silu(causal_conv(self.state.conv, self.conv1d, qkv, step))
+        conv = F.silu(causal_conv(self.state, self.conv1d, qkv, step))
         q, k, v = conv.split([m.key_dim, m.key_dim, m.value_dim], dim=-1)
         q = _l2_normed(q.reshape(tokens, m.num_k_heads, m.head_k_dim)).repeat_interleave(per_key, dim=1)
         q = q * m.head_k_dim ** -0.5

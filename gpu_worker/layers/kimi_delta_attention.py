@@ -117,7 +117,7 @@ class KimiDeltaAttention(nn.Module):
         step: MambaStepMetadata = meta.mamba
         m = self.config
         tokens, heads = hidden.shape[0], m.num_heads
-        conv = F.silu(causal_conv(self.state.conv, self.conv1d, self.in_proj_qkv.forward(hidden), step))
+        conv = F.silu(causal_conv(self.state, self.conv1d, self.in_proj_qkv.forward(hidden), step))
         q, k, v = conv.float().view(tokens, 3, heads, m.head_dim).unbind(1)
         q, k = _l2_normed(q) * m.head_dim ** -0.5, _l2_normed(k)
         full_rank = m.full_rank_gates

@@ -15,7 +15,7 @@ arithmetic is in fp32, as the reference kernels accumulate; the SSM state is sto
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -35,11 +35,15 @@ class MambaStepMetadata:
     # The one-token requests: their token indices in the batch and their state rows ([n] int64).
     decode_tokens: torch.Tensor | None
     decode_rows: torch.Tensor | None
-    # Every longer chunk: (first token, end token, state row).
+    # Every longer chunk: (first token, end token, state row), in order; a chunk whose state is kept
+    # part-way (the prefix cache's, at a block boundary inside it) as consecutive pieces of one row.
     prefills: list[tuple[int, int, int]]
     # (first, end) where the decodes' rows are consecutive and ascending (a steady batch's usual
     # case): their states are then a slice of each layer's, updated where they lie.
     decode_row_span: tuple[int, int] | None = None
+    # Index into ``prefills`` -> the kept-state slot (MambaState.kept) its row's state after that
+    # piece is copied into.
+    kept_after: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -50,6 +54,9 @@ class MambaState:
 
     conv: torch.Tensor
     ssm: torch.Tensor
+    # The prefix cache's kept states of the same layer (slots of the same shapes), where a pass copies
+    # a state part-way through a chunk (MambaStepMetadata.kept_after); None when none are kept.
+    kept: MambaState | None = None
 
     @classmethod
     def allocate(cls, config: Mamba2Config, rows: int, dtype: torch.dtype, device: torch.device,
@@ -88,14 +95,17 @@ def run_recurrence(state: MambaState, step: MambaStepMetadata, out: torch.Tensor
     """A recurrent mixer's pass (Mamba-2's, Mamba-1's, the delta rule's, lightning attention's): the
     one-token requests through ``decode`` as one batch, their states read and stored back by row
     (updated where they lie when their rows are consecutive), then each longer chunk through
-    ``prefill`` from its row's state; each request's outputs written into ``out`` at its tokens."""
+    ``prefill`` from its row's state (copied into a kept slot after a piece step.kept_after names);
+    each request's outputs written into ``out`` at its tokens."""
     if step.decode_tokens is not None:
         rows, tokens = step.decode_rows, step.decode_tokens
         outputs, states = decode(tokens, state.gather_ssm(rows, step.decode_row_span))
         state.scatter_ssm(rows, states)
         out.index_copy_(0, tokens, outputs)
-    for start, end, row in step.prefills:
+    for i, (start, end, row) in enumerate(step.prefills):
         out[start:end], state.ssm[row] = prefill(slice(start, end), state.ssm[row].float())
+        if i in step.kept_after:
+            state.kept.ssm[step.kept_after[i]] = state.ssm[row]
     return out
 
 
@@ -241,7 +251,7 @@ class MambaMixer2(nn.Module):
         m = self.config
         width = m.intermediate_size
         gate, xbc, dt = self.in_proj.forward(hidden).split([width, m.conv_dim, m.num_heads], dim=-1)
-        x, dt, b, c = self._split(causal_conv(self.state.conv, self.conv1d, xbc, step), dt)
+        x, dt, b, c = self._split(causal_conv(self.state, self.conv1d, xbc, step), dt)
         a = -torch.exp(self.A_log.float())
         y = run_recurrence(
             self.state, step, torch.empty_like(x),
@@ -267,11 +277,12 @@ class MambaMixer2(nn.Module):
         return x.reshape(-1, m.num_heads, m.head_dim), dt, b, c
 
 
-def causal_conv(conv_state: torch.Tensor, conv1d: DepthwiseConv, x: torch.Tensor, step: MambaStepMetadata
-                ) -> torch.Tensor:
+def causal_conv(state: MambaState, conv1d: DepthwiseConv, x: torch.Tensor, step: MambaStepMetadata) -> torch.Tensor:
     """The causal depthwise convolution of every request's new inputs ``x`` [T, channels] over its
-    last ``kernel - 1`` inputs (its row of ``conv_state``, updated in place to end with these, in
-    its own dtype): [T, channels] in fp32, the bias added (no activation)."""
+    last ``kernel - 1`` inputs (its row of ``state.conv``, updated in place to end with these, in
+    its own dtype; copied into a kept slot after a piece step.kept_after names): [T, channels] in
+    fp32, the bias added (no activation)."""
+    conv_state = state.conv
     out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     kernel = conv1d.weight.shape[1]
     weight = conv1d.weight.float()
@@ -281,18 +292,23 @@ def causal_conv(conv_state: torch.Tensor, conv1d: DepthwiseConv, x: torch.Tensor
                            dim=2)
         conv_state.index_copy_(0, rows, window[:, :, 1:].to(conv_state.dtype))
         out.index_copy_(0, tokens, (window.float() * weight).sum(-1))
-    for start, end, row in step.prefills:
+    for i, (start, end, row) in enumerate(step.prefills):
         window = torch.cat((conv_state[row].to(x.dtype), x[start:end].t()), dim=1)
         conv_state[row] = window[:, -(kernel - 1):]
+        if i in step.kept_after:
+            state.kept.conv[step.kept_after[i]] = conv_state[row]
         out[start:end] = F.conv1d(window[None].float(), weight[:, None, :], groups=weight.shape[0])[0].t()
     if conv1d.bias is not None:
         out += conv1d.bias.float()
     return out
 
 
-def mamba_step_metadata(rows: np.ndarray, query_start_loc: np.ndarray, device: torch.device) -> MambaStepMetadata:
+def mamba_step_metadata(rows: np.ndarray, query_start_loc: np.ndarray, device: torch.device,
+                        kept_within: dict[int, list[tuple[int, int]]] | None = None) -> MambaStepMetadata:
     """A pass's requests (``rows``: each one's state row; ``query_start_loc``: [num_reqs + 1]) as the
-    mixers take them: the one-token requests batched, every longer chunk on its own."""
+    mixers take them: the one-token requests batched, every longer chunk on its own. ``kept_within``:
+    request index -> [(tokens into its chunk, kept-state slot)], ascending, each inside the chunk: its
+    state there is kept (the chunk is scanned in pieces that end there)."""
     lens = np.diff(query_start_loc)
     single = np.flatnonzero(lens == 1)
     tokens = decode_rows = span = None
@@ -302,5 +318,17 @@ def mamba_step_metadata(rows: np.ndarray, query_start_loc: np.ndarray, device: t
         first = int(rows[single[0]])
         if np.array_equal(rows[single], np.arange(first, first + len(single))):
             span = (first, first + len(single))
-    prefills = [(int(query_start_loc[i]), int(query_start_loc[i + 1]), int(rows[i])) for i in np.flatnonzero(lens > 1)]
-    return MambaStepMetadata(tokens, decode_rows, prefills, span)
+    prefills: list[tuple[int, int, int]] = []
+    kept_after: dict[int, int] = {}
+    for i in np.flatnonzero(lens > 1).tolist():
+        first, end, row = int(query_start_loc[i]), int(query_start_loc[i + 1]), int(rows[i])
+        start = first
+        for offset, slot in (kept_within or {}).get(i, ()):
+            if not start < first + offset < end:
+                raise ValueError(f"a state kept {offset} tokens into a chunk of {end - first} (request {i}): "
+                                 "the kept positions must lie inside the chunk, ascending")
+            kept_after[len(prefills)] = slot
+            prefills.append((start, first + offset, row))
+            start = first + offset
+        prefills.append((start, end, row))
+    return MambaStepMetadata(tokens, decode_rows, prefills, span, kept_after)

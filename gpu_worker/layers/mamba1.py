@@ -139,7 +139,7 @@ class MambaMixer(nn.Module):
         step: MambaStepMetadata = meta.mamba
         m = self.config
         x, z = self.in_proj.forward(hidden).chunk(2, dim=-1)
-        x = F.silu(causal_conv(self.state.conv, self.conv1d, x, step))  # [T, D] fp32
+        x = F.silu(causal_conv(self.state, self.conv1d, x, step))  # [T, D] fp32
         dt, b, c = self.x_proj.forward(x.to(hidden.dtype)).split([m.dt_rank, m.state_size, m.state_size], dim=-1)
         if self.norms is not None:
             dt, b, c = (norm.forward(v.contiguous()) for norm, v in zip(self.norms, (dt, b, c), strict=True))

@@ -48,5 +48,5 @@ class ShortConv(nn.Module):
             raise RuntimeError("short-convolution state is not bound: call initialize_cache() first")
         step: MambaStepMetadata = meta.mamba
         b, c, x = self.in_proj.forward(hidden).chunk(3, dim=-1)
-        mixed = causal_conv(self.state.conv, self.conv, b * x, step)
+        mixed = causal_conv(self.state, self.conv, b * x, step)
         return self.out_proj.forward((c.float() * mixed).to(hidden.dtype))

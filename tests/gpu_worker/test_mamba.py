@@ -515,6 +515,24 @@ def test_a_released_falcon_h1_config_is_read():
         ModelConfig.from_dict({**FALCON_H1_0_5B, "mamba_d_ssm": 2048})
 
 
+def test_a_chunk_whose_state_is_kept_part_way_is_scanned_in_pieces_that_end_there():
+    """States kept 4 and 9 tokens into a 12-token chunk (the prefix cache's, inside the chunk): three
+    pieces of its row, the first two naming their kept slots; a decode's row stays batched. A position
+    outside the chunk, at its end or out of order is refused (the end is copied after the forward)."""
+    import numpy as np
+
+    from gpu_worker.layers.mamba import mamba_step_metadata
+
+    qsl = np.array([0, 1, 13])  # a decode, then a chunk of twelve tokens
+    step = mamba_step_metadata(np.array([5, 2]), qsl, torch.device("cpu"), {1: [(4, 7), (9, 3)]})
+    assert step.prefills == [(1, 5, 2), (5, 10, 2), (10, 13, 2)] and step.kept_after == {0: 7, 1: 3}
+    assert step.decode_rows.tolist() == [5]
+    assert mamba_step_metadata(np.array([5, 2]), qsl, torch.device("cpu")).kept_after == {}
+    for kept in ([(0, 1)], [(12, 1)], [(9, 1), (4, 2)], [(4, 1), (4, 2)]):
+        with pytest.raises(ValueError, match="must lie inside the chunk, ascending"):
+            mamba_step_metadata(np.array([5, 2]), qsl, torch.device("cpu"), {1: kept})
+
+
 def test_consecutive_decode_rows_are_updated_where_they_lie():
     """Decodes in consecutive ascending rows (beside a prefill) give a span whose states the step
     updates in place, no copy stored back; other orders copy their rows out and back."""

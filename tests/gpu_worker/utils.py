@@ -1356,16 +1356,18 @@ class MixerPassMetadata:
         self.mamba = mamba
 
 
-def run_mixer_pass(mixer: torch.nn.Module, pieces: list[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
+def run_mixer_pass(mixer: torch.nn.Module, pieces: list[tuple[int, torch.Tensor]],
+                   kept_within: dict[int, list[tuple[int, int]]] | None = None) -> list[torch.Tensor]:
     """One pass of a recurrent mixer (Mamba, Mamba-2, Gated DeltaNet, short convolution) over ``pieces``
-    (state row, its tokens' inputs), in that order in the flat batch: each piece's outputs."""
+    (state row, its tokens' inputs), in that order in the flat batch: each piece's outputs.
+    ``kept_within``: piece index -> states kept part-way through it (mamba_step_metadata's)."""
     from gpu_worker.layers.mamba import mamba_step_metadata
 
     lens = [p.shape[0] for _, p in pieces]
     qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
     rows = np.array([row for row, _ in pieces], dtype=np.int64)
     out = mixer.forward((), torch.cat([p for _, p in pieces]),
-                        MixerPassMetadata(mamba_step_metadata(rows, qsl, torch.device("cpu"))))
+                        MixerPassMetadata(mamba_step_metadata(rows, qsl, torch.device("cpu"), kept_within)))
     return [out[qsl[i]:qsl[i + 1]] for i in range(len(pieces))]
 
 
@@ -1410,17 +1412,31 @@ def check_mixer_carries_state(mixer: torch.nn.Module, seqs: list[torch.Tensor],
                               plan: list[list[tuple[int, int, int]]] = MIXER_PIECES_PLAN) -> None:
     """``seqs`` (two sequences of mixer inputs) run whole, one prefill each, then in pieces over the
     passes of ``plan`` in other rows (sequence 0 in row 3, sequence 1 in row 2), on fresh states of
-    four rows: each piece's outputs are the whole run's at its positions."""
+    four rows: each piece's outputs are the whole run's at its positions. The whole run keeps its
+    states part-way (the prefix cache's, after tokens 5 and 8 of sequence 0 and 7 of sequence 1, where
+    both plans end a pass): each is the state the pieces leave there."""
     from gpu_worker.layers.mamba import MambaState
 
-    mixer.state = MambaState.allocate(mixer.config, 4, torch.float32, torch.device("cpu"))
-    whole = run_mixer_pass(mixer, [(0, seqs[0]), (1, seqs[1])])
-    mixer.state = MambaState.allocate(mixer.config, 4, torch.float32, torch.device("cpu"))
+    def fresh(rows: int) -> MambaState:
+        return MambaState.allocate(mixer.config, rows, torch.float32, torch.device("cpu"))
+
+    kept_at = {0: {5: 0, 8: 1}, 1: {7: 2}}  # sequence -> {position: kept slot}
+    mixer.state = fresh(4)
+    mixer.state.kept = fresh(3)
+    whole = run_mixer_pass(mixer, [(0, seqs[0]), (1, seqs[1])],
+                           {i: sorted(kept_at[i].items()) for i in (0, 1)})
+    kept = mixer.state.kept
+    mixer.state = fresh(4)
     got: dict[int, list[torch.Tensor]] = {0: [], 1: []}
     for step in plan:
         step = sorted(step, key=lambda piece: piece[2] - piece[1] != 1)  # (decodes first, as the runner orders them)
         outs = run_mixer_pass(mixer, [(row, seqs[3 - row][a:b]) for row, a, b in step])
-        for (row, _, _), out in zip(step, outs, strict=True):
+        for (row, _, end), out in zip(step, outs, strict=True):
             got[3 - row].append(out)
+            if end in kept_at[3 - row]:
+                slot = kept_at[3 - row].pop(end)
+                torch.testing.assert_close(kept.conv[slot], mixer.state.conv[row], atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(kept.ssm[slot], mixer.state.ssm[row], atol=1e-5, rtol=1e-5)
+    assert kept_at == {0: {}, 1: {}}
     for i in (0, 1):
         torch.testing.assert_close(torch.cat(got[i]), whole[i], atol=1e-5, rtol=1e-5)
