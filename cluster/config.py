@@ -86,8 +86,8 @@ class EngineSpec(BaseModel):
                           "mamba_cache_dtype says. bfloat16 halves the states' memory.")
     mamba_cache_mode: MambaCacheMode | None = Field(
         None, description="What the prefix cache keeps of recurrent layers (--mamba-cache-mode): none (prefix "
-                          "caching off for such models) or align (their states at block boundaries the passes "
-                          "cross).")
+                          "caching off for such models) or align (their states at the block boundaries worth "
+                          "keeping that the passes cross).")
     mamba_prefix_cache_slots: int | None = Field(
         None, ge=1, description="Under mamba_cache_mode align: how many recurrent states the prefix cache keeps "
                                 "(--mamba-prefix-cache-slots); default max_num_seqs.")

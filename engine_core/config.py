@@ -23,7 +23,8 @@ KV_CACHE_DTYPE_NAMES: tuple[str, ...] = get_args(KVCacheDType)
 MambaCacheDType = Literal["auto", "float32", "float16", "bfloat16"]
 MAMBA_CACHE_DTYPE_NAMES: tuple[str, ...] = get_args(MambaCacheDType)
 # What the prefix cache keeps of the recurrent layers (vLLM's --mamba-cache-mode): "none" (nothing:
-# prefix caching is off for such models), "align" (their states at block boundaries the passes cross).
+# prefix caching is off for such models), "align" (their states at block boundaries worth keeping that the
+# passes cross: kv_cache_manager.plan_state_saves).
 MambaCacheMode = Literal["none", "align"]
 MAMBA_CACHE_MODE_NAMES: tuple[str, ...] = get_args(MambaCacheMode)
 

@@ -1066,7 +1066,7 @@ class ModelRunner:
             mixer.state = state
         slots = self.num_recurrent_state_slots
         self.kept_states = [self._new_mamba_state(mixer, slots) for mixer in self.mamba_mixers] if slots else []
-        for live, kept in zip(self.mamba_states, self.kept_states, strict=False):
+        for live, kept in zip(self.mamba_states, self.kept_states, strict=bool(slots)):
             live.kept = kept  # (the mixers copy states kept part-way through a chunk into these)
 
     def mamba_step(self, rows: np.ndarray, starts: np.ndarray, query_start_loc: np.ndarray,
@@ -1117,8 +1117,9 @@ class ModelRunner:
         return within, at_end
 
     def copy_kept_states(self, copies: dict[str, int], restore: bool) -> None:
-        """The prefix cache's recurrent-state copies (SchedulerOutput.recurrent_state_restores / _saves):
-        each request's row from its slot (``restore``, before the pass's forward), or into it (after)."""
+        """The prefix cache's recurrent-state copies, req_id -> slot: each request's row from its slot
+        (``restore``: SchedulerOutput.recurrent_state_restores, before the pass's forward), or into it
+        (the saves at the end of its chunk, after the forward: _kept_state_positions)."""
         if not copies or not self.mamba_mixers:  # (a pipeline stage of attention layers alone keeps none)
             return
         if not self.kept_states:  # (the scheduler and the workers count the same slots: never a silent miss)

@@ -68,15 +68,15 @@ class KVCacheManager:
         if self.offload is not None:
             self.block_pool.on_evict = self.offload.note_evicted
             self.offload.on_event = self.block_pool.record_event
-        # A model with recurrent layers (--mamba-cache-mode align): the states kept at block ends, which
+        # A model with recurrent layers (--mamba-cache-mode align): the states kept at block boundaries, which
         # bound every prefix hit (engine_core/core/recurrent_state_cache.py).
         self.recurrent_states = (RecurrentStateCache(num_recurrent_state_slots)
                                  if num_recurrent_state_slots and enable_caching else None)
         # The block hash of the last state each request kept (not at a shared prefix's end).
         self._own_state: dict[str, bytes] = {}
         # Where a request's prompt leaves the run of blocks the KV cache held at its lookup, when that run
-        # went on past the last state kept (the end of a prefix other prompts share): its chunk ends there,
-        # so that a state is kept at it for the next prompt sharing it.
+        # went on past the last state kept (the end of a prefix other prompts share): the pass that crosses
+        # it keeps the state there (plan_state_saves), for the next prompt sharing it.
         self.state_junctions: dict[str, int] = {}
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many of a request's leading blocks are registered (or known) in the prefix cache.

@@ -177,8 +177,9 @@ class Scheduler(SchedulerInterface):
             kv_cache_metrics_sample=cache_config.kv_cache_metrics_sample, max_model_len=self.max_model_len,
             num_offload_blocks=cache_config.num_offload_blocks,
             num_recurrent_state_slots=cache_config.num_recurrent_state_slots)
-        # Recurrent layers' states kept at block boundaries the passes cross (--mamba-cache-mode align;
-        # chunks are not cut for it: the workers copy a state out where a chunk's scan passes it).
+        # Recurrent layers' states kept at the block boundaries worth keeping that the passes cross
+        # (--mamba-cache-mode align; chunks are not cut for it: the workers copy a state out where a
+        # chunk's scan passes it).
         self.keeps_recurrent_states = self.kv_cache_manager.recurrent_states is not None
 
         # Stats counters (deltas since make_stats) and last-pass figures.

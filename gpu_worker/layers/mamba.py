@@ -102,8 +102,13 @@ def run_recurrence(state: MambaState, step: MambaStepMetadata, out: torch.Tensor
         outputs, states = decode(tokens, state.gather_ssm(rows, step.decode_row_span))
         state.scatter_ssm(rows, states)
         out.index_copy_(0, tokens, outputs)
+    carried: tuple[int, torch.Tensor] | None = None  # (a piece's row, its fp32 state after it)
     for i, (start, end, row) in enumerate(step.prefills):
-        out[start:end], state.ssm[row] = prefill(slice(start, end), state.ssm[row].float())
+        # (A chunk's next piece goes on from the state the last left, unrounded to the storage dtype.)
+        initial = carried[1] if carried is not None and carried[0] == row else state.ssm[row].float()
+        out[start:end], final = prefill(slice(start, end), initial)
+        state.ssm[row] = final
+        carried = (row, final)
         if i in step.kept_after:
             state.kept.ssm[step.kept_after[i]] = state.ssm[row]
     return out
@@ -292,9 +297,12 @@ def causal_conv(state: MambaState, conv1d: DepthwiseConv, x: torch.Tensor, step:
                            dim=2)
         conv_state.index_copy_(0, rows, window[:, :, 1:].to(conv_state.dtype))
         out.index_copy_(0, tokens, (window.float() * weight).sum(-1))
+    carried: tuple[int, torch.Tensor] | None = None  # (a piece's row, its last inputs in x's dtype)
     for i, (start, end, row) in enumerate(step.prefills):
-        window = torch.cat((conv_state[row].to(x.dtype), x[start:end].t()), dim=1)
+        before = carried[1] if carried is not None and carried[0] == row else conv_state[row].to(x.dtype)
+        window = torch.cat((before, x[start:end].t()), dim=1)
         conv_state[row] = window[:, -(kernel - 1):]
+        carried = (row, window[:, -(kernel - 1):])
         if i in step.kept_after:
             state.kept.conv[step.kept_after[i]] = conv_state[row]
         out[start:end] = F.conv1d(window[None].float(), weight[:, None, :], groups=weight.shape[0])[0].t()

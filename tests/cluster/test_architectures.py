@@ -170,8 +170,7 @@ def test_mamba_hybrids_recompute_what_a_prefix_cache_would_skip(tmp_path, kind):
 @pytest.mark.parametrize("kind", RECURRENT_KINDS)
 def test_recurrent_models_start_prompts_from_the_states_the_prefix_cache_keeps(tmp_path, kind):
     """--mamba-cache-mode align, every family with recurrent layers: states are kept at block boundaries
-    inside prefill chunks and at their ends, so a prompt seen again starts after its last full block
-    (a state the scan copied out part-way through the prompt's last chunk),
+    inside prefill chunks and at their ends, so a prompt seen again starts after its last full block,
     and a conversation's next turn after its answer's last full block (the state a decode left there),
     each restored into the request's row; greedy tokens equal transformers' throughout, through
     chunked prefill and preemption too (a preempted request resumes from its own kept states)."""

@@ -131,6 +131,40 @@ def test_a_preempted_request_recomputes_its_state(hybrid_model):
         assert got[rid] == hf_greedy(hf, prompt, 12), rid
 
 
+def test_the_states_kept_inside_and_at_the_ends_of_chunks_are_the_states_after_those_tokens(hybrid_model):
+    """--mamba-cache-mode align through a runner: a 23-token prompt in chunks of 16 and 7 (blocks of 4)
+    keeps its states at 16 (the first chunk's end, copied after the forward) and at 20 (inside the second
+    chunk: the last boundary before its last token), and a 10-token prompt beside it in the second pass
+    at 8 (inside its chunk of 9). Each kept slot holds, in every recurrent layer, the states a runner
+    computing only those tokens leaves in its row."""
+    from engine_core.config import CacheConfig, SchedulerConfig
+    from engine_core.sched.scheduler import Scheduler
+
+    runner = make_runner(hybrid_model, num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+                         num_recurrent_state_slots=8)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128),
+                      CacheConfig(block_size=4, num_blocks=64, num_recurrent_state_slots=8), log_stats=False)
+    prompts = {"a": [(7 * j + 1) % 256 for j in range(23)], "b": [(5 * j + 3) % 256 for j in range(10)]}
+    for rid, prompt in prompts.items():
+        sched.add_request(greedy_request(rid, prompt, 1))
+    kept: dict[int, tuple[str, int]] = {}  # slot -> (request, tokens before the state)
+    run_to_completion(sched, runner.execute_model, on_step=lambda step, so: kept.update(
+        {slot: (rid, position) for rid, saves in so.recurrent_state_saves.items() for position, slot in saves}))
+    assert sorted(kept.values()) == [("a", 16), ("a", 20), ("b", 8)]
+    reference = make_runner(hybrid_model, num_blocks=64, block_size=4, max_num_seqs=1, max_num_batched_tokens=32)
+    ref_sched = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=32, max_num_seqs=1,
+                               prefix_caching=False)
+    for slot, (rid, position) in kept.items():
+        ref_sched.add_request(greedy_request(f"{rid}{position}", prompts[rid][:position], 1))
+        so = ref_sched.schedule()
+        out = reference.execute_model(so)
+        row = reference.requests[f"{rid}{position}"].table_row
+        for live, saved in zip(reference.mamba_states, runner.kept_states, strict=True):
+            torch.testing.assert_close(saved.ssm[slot], live.ssm[row], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(saved.conv[slot], live.conv[row], atol=1e-5, rtol=1e-5)
+        ref_sched.update_from_output(so, out)
+
+
 def test_released_granite_4_configs_are_read():
     """Granite 4.0-H's config.json keys as released: "mamba" / "attention" layer types, NoPE, the
     Mamba-2 geometry (auto head width), no time_step_limit; transformers 5's saved infinity."""

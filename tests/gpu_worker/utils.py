@@ -1412,19 +1412,24 @@ def check_mixer_carries_state(mixer: torch.nn.Module, seqs: list[torch.Tensor],
                               plan: list[list[tuple[int, int, int]]] = MIXER_PIECES_PLAN) -> None:
     """``seqs`` (two sequences of mixer inputs) run whole, one prefill each, then in pieces over the
     passes of ``plan`` in other rows (sequence 0 in row 3, sequence 1 in row 2), on fresh states of
-    four rows: each piece's outputs are the whole run's at its positions. The whole run keeps its
-    states part-way (the prefix cache's, after tokens 5 and 8 of sequence 0 and 7 of sequence 1, where
-    both plans end a pass): each is the state the pieces leave there."""
+    four rows: each piece's outputs are the whole run's at its positions. The whole run again, keeping
+    its states part-way (the prefix cache's, after tokens 5 and 8 of sequence 0 and 7 of sequence 1,
+    where both plans end a pass): the same outputs, with the states stored in fp32 or bf16 (a chunk's
+    pieces carry the fp32 state from one to the next); each state kept is the one the pieces leave there."""
     from gpu_worker.layers.mamba import MambaState
 
-    def fresh(rows: int) -> MambaState:
-        return MambaState.allocate(mixer.config, rows, torch.float32, torch.device("cpu"))
+    def fresh(rows: int, dtype: torch.dtype = torch.float32) -> MambaState:
+        return MambaState.allocate(mixer.config, rows, dtype, torch.device("cpu"), dtype)
 
     kept_at = {0: {5: 0, 8: 1}, 1: {7: 2}}  # sequence -> {position: kept slot}
     mixer.state = fresh(4)
-    mixer.state.kept = fresh(3)
-    whole = run_mixer_pass(mixer, [(0, seqs[0]), (1, seqs[1])],
-                           {i: sorted(kept_at[i].items()) for i in (0, 1)})
+    whole = run_mixer_pass(mixer, [(0, seqs[0]), (1, seqs[1])])
+    for dtype in (torch.bfloat16, torch.float32):
+        mixer.state = fresh(4, dtype)
+        mixer.state.kept = fresh(3, dtype)
+        split = run_mixer_pass(mixer, [(0, seqs[0]), (1, seqs[1])], {i: sorted(kept_at[i].items()) for i in (0, 1)})
+        for i in (0, 1):
+            torch.testing.assert_close(split[i], whole[i], atol=1e-5, rtol=1e-5)
     kept = mixer.state.kept
     mixer.state = fresh(4)
     got: dict[int, list[torch.Tensor]] = {0: [], 1: []}
