@@ -89,7 +89,8 @@ class EngineCoreService:
         # (The engine's own config: an encoder's turns prefix caching off.)
         self.metrics = EngineMetrics(self.engine.config, self.engine.scheduler_config,
                                      self.engine.model_info.served_model_name, self.engine.num_blocks,
-                                     self.engine.num_offload_blocks) if config.log_stats else None
+                                     self.engine.num_offload_blocks,
+                                     self.engine.num_recurrent_state_slots) if config.log_stats else None
         if self.metrics is not None and self.engine.kv_connector is not None:
             self.metrics.kv_transfer = self.engine.kv_transfer_totals
         if self.metrics is not None and self.engine.model_info.image_token_id is not None:

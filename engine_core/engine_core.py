@@ -152,6 +152,9 @@ class EngineCore:
                                    if self.model_info.image_geometry is not None else 0,
                                    whole_images=self.model_info.image_geometry is not None
                                    and self.model_info.image_geometry.bidirectional)
+        # The recurrent layers' states the prefix cache keeps (--mamba-cache-mode align; 0: none kept).
+        kept_states = self.scheduler.kv_cache_manager.recurrent_states
+        self.num_recurrent_state_slots = kept_states.num_slots if kept_states is not None else 0
         # LoRA adapters loaded on the workers, by id; the static ones (--lora-modules) load now.
         self.loras: dict[int, LoRARequest] = {}
         # Of those, the ones an in-place reload replaced: unloaded when no request uses them.
@@ -199,6 +202,7 @@ class EngineCore:
         self._totals = {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0, "added": 0, "finished": 0,
                         "max_step_tokens": 0, "drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
                         "offload_stored": 0, "offload_loaded": 0, "external_queries": 0, "external_hits": 0,
+                        "states_saved": 0, "states_restored": 0, "states_evicted": 0, "states_skipped": 0,
                         "kv_sent_blocks": 0, "kv_received_blocks": 0, "kv_load_failures": 0, "kv_declined": 0}
         # Made at the first structured-output request (xgrammar and the tokenizer load then).
         self._structured: StructuredOutputManager | None = None
@@ -922,6 +926,10 @@ class EngineCore:
                 totals["max_step_tokens"] = max(totals["max_step_tokens"], stats.step_num_scheduled_tokens)
                 totals["offload_stored"] += stats.kv_offload_stored_blocks
                 totals["offload_loaded"] += stats.kv_offload_loaded_blocks
+                totals["states_saved"] += stats.recurrent_states_saved
+                totals["states_restored"] += stats.recurrent_states_restored
+                totals["states_evicted"] += stats.recurrent_states_evicted
+                totals["states_skipped"] += stats.recurrent_states_skipped
                 if stats.connector_prefix_cache_stats is not None:
                     totals["external_queries"] += stats.connector_prefix_cache_stats.queries
                     totals["external_hits"] += stats.connector_prefix_cache_stats.hits
@@ -1011,6 +1019,7 @@ class EngineCore:
         scheduler = self.scheduler
         t = self._totals
         kv = self.kv_transfer_totals()
+        kept_states = scheduler.kv_cache_manager.recurrent_states
         return EngineStats(
             engine_index=self.config.engine_index, healthy=healthy,
             scheduler_config=self.scheduler_config.as_dict(), num_blocks=self.num_blocks,
@@ -1023,7 +1032,11 @@ class EngineCore:
             spec_decode_num_draft_tokens=t["draft_tokens"], spec_decode_num_accepted_tokens=t["accepted_tokens"],
             kv_offload_stored_blocks=t["offload_stored"], kv_offload_loaded_blocks=t["offload_loaded"],
             num_offload_blocks=self.num_offload_blocks, external_prefix_cache_queries=t["external_queries"],
-            external_prefix_cache_hits=t["external_hits"], kv_transfer_sent_blocks=kv["sent_blocks"],
+            external_prefix_cache_hits=t["external_hits"], recurrent_states_saved=t["states_saved"],
+            recurrent_states_restored=t["states_restored"], recurrent_states_evicted=t["states_evicted"],
+            recurrent_states_skipped=t["states_skipped"], num_recurrent_state_slots=self.num_recurrent_state_slots,
+            recurrent_states_held=len(kept_states) if kept_states is not None else 0,
+            kv_transfer_sent_blocks=kv["sent_blocks"],
             kv_transfer_received_blocks=kv["received_blocks"], kv_transfer_failures=kv["failed_reads"],
             kv_transfer_declined=kv["declined"], kv_transfer_held_requests=kv["held"],
             num_images_encoded=self.scheduler.num_images_encoded,

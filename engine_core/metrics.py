@@ -102,7 +102,7 @@ class _Tracked:
 
 class EngineMetrics:
     def __init__(self, config: EngineConfig, scheduler_config: SchedulerConfig, model_name: str,
-                 num_blocks: int, num_offload_blocks: int = 0) -> None:
+                 num_blocks: int, num_offload_blocks: int = 0, num_recurrent_state_slots: int = 0) -> None:
         self._labels = ["model_name", "engine"]
         self._values = [model_name, str(config.engine_index)]
         token_buckets = _token_buckets(scheduler_config.max_model_len)
@@ -197,6 +197,13 @@ class EngineMetrics:
             {"capacity": float(num_offload_blocks), "held": 0.0, "stored": 0.0, "loaded": 0.0,
              "external_queries": 0.0, "external_hits": 0.0}
             if num_offload_blocks else None)
+        # Recurrent layers' states kept for the prefix cache (exported only under --mamba-cache-mode
+        # align, for a model with such layers): the slots, the states kept now, and states kept,
+        # restored, evicted and not kept.
+        self.kept_states: dict[str, float] | None = (
+            {"slots": float(num_recurrent_state_slots), "held": 0.0, "saved": 0.0, "restored": 0.0,
+             "evicted": 0.0, "skipped": 0.0}
+            if num_recurrent_state_slots else None)
         # Prefill/decode disaggregation (exported only with --kv-transfer-config): the engine's totals
         # since start (EngineCore.kv_transfer_totals), read at each scrape.
         self.kv_transfer: Callable[[], dict[str, int]] | None = None
@@ -355,6 +362,13 @@ class EngineMetrics:
             if stats.connector_prefix_cache_stats is not None:
                 self.offload["external_queries"] += stats.connector_prefix_cache_stats.queries
                 self.offload["external_hits"] += stats.connector_prefix_cache_stats.hits
+        if self.kept_states is not None:
+            kept = self.kept_states
+            kept["held"] = stats.recurrent_states_held
+            kept["saved"] += stats.recurrent_states_saved
+            kept["restored"] += stats.recurrent_states_restored
+            kept["evicted"] += stats.recurrent_states_evicted
+            kept["skipped"] += stats.recurrent_states_skipped
         sd = stats.spec_decoding_stats
         if sd is not None and self.spec is not None:
             self.spec["drafts"] += sd.num_drafts
@@ -457,6 +471,23 @@ class EngineMetrics:
                           "Tokens looked up in KV offloading's host-memory tier.", off["external_queries"])
             yield counter("vllm:external_prefix_cache_hits",
                           "Tokens found in KV offloading's host-memory tier.", off["external_hits"])
+        if self.kept_states is not None:
+            kept = self.kept_states
+            yield gauge("llm_cluster:recurrent_state_slots",
+                        "Recurrent-layer states the prefix cache has room for (--mamba-prefix-cache-slots).",
+                        kept["slots"])
+            yield gauge("llm_cluster:recurrent_states_held", "Recurrent-layer states the prefix cache keeps now.",
+                        kept["held"])
+            yield counter("llm_cluster:recurrent_states_saved",
+                          "Recurrent-layer states copied into the prefix cache's slots.", kept["saved"])
+            yield counter("llm_cluster:recurrent_states_restored",
+                          "Requests whose recurrent layers started from a state the prefix cache kept.",
+                          kept["restored"])
+            yield counter("llm_cluster:recurrent_states_evicted",
+                          "Kept recurrent-layer states whose slot a newer state took.", kept["evicted"])
+            yield counter("llm_cluster:recurrent_states_skipped",
+                          "Recurrent-layer states not kept: every slot was one its pass restored from or saved "
+                          "into.", kept["skipped"])
         if self.kv_transfer is not None:
             kv = self.kv_transfer()
             yield counter("llm_cluster:kv_transfer_sent_blocks",

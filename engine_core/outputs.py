@@ -199,6 +199,14 @@ class SchedulerStats(msgspec.Struct):
     # With KV offloading: its tier's lookups since the previous stats (vLLM's name: its offloading is
     # a KV connector's), counted as prefix_cache_stats is.
     connector_prefix_cache_stats: PrefixCacheStats | None = None
+    # With recurrent layers' states kept for the prefix cache (--mamba-cache-mode align), since the
+    # previous stats: states kept (copied into a slot), requests started from one, kept states whose
+    # slot a newer one took, and states not kept (every slot was its pass's); and the states kept now.
+    recurrent_states_saved: int = 0
+    recurrent_states_restored: int = 0
+    recurrent_states_evicted: int = 0
+    recurrent_states_skipped: int = 0
+    recurrent_states_held: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -247,6 +255,14 @@ class EngineStats(msgspec.Struct, kw_only=True):
     # KV offloading's tier since start: tokens looked up there, tokens found (vLLM's external prefix cache).
     external_prefix_cache_queries: int = 0
     external_prefix_cache_hits: int = 0
+    # Recurrent layers' kept states (--mamba-cache-mode align) since start: kept, restored, evicted,
+    # not kept (SchedulerStats'); the slots, and the states kept now.
+    recurrent_states_saved: int = 0
+    recurrent_states_restored: int = 0
+    recurrent_states_evicted: int = 0
+    recurrent_states_skipped: int = 0
+    num_recurrent_state_slots: int = 0
+    recurrent_states_held: int = 0
     # Prefill/decode disaggregation since start: KV blocks other engines read from here, blocks read
     # from other engines, reads that failed; and the prefills holding blocks for a reader now.
     kv_transfer_sent_blocks: int = 0

@@ -32,8 +32,19 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from engine_core.core.kv_cache_utils import BlockHash
+
+
+@dataclass
+class RecurrentStateStats:
+    """Counters since the previous take (exported as llm_cluster:recurrent_states_*)."""
+
+    saved: int = 0  # states copied into a slot
+    restored: int = 0  # requests that started from a kept state
+    evicted: int = 0  # kept states whose slot a newer one took
+    skipped: int = 0  # states not kept: every slot was one this pass restores from or saves into
 
 
 class RecurrentStateCache:
@@ -48,9 +59,7 @@ class RecurrentStateCache:
         self._restores: dict[str, int] = {}
         self._saves: dict[str, list[tuple[int, int]]] = {}
         self._pinned: set[int] = set()
-        # Counters since the start: states saved, requests restored.
-        self.num_saved = 0
-        self.num_restored = 0
+        self.stats = RecurrentStateStats()
 
     def __len__(self) -> int:
         return len(self._slot_of)
@@ -75,7 +84,7 @@ class RecurrentStateCache:
         self._slot_of.move_to_end(block_hash)
         self._restores[request_id] = slot
         self._pinned.add(slot)
-        self.num_restored += 1
+        self.stats.restored += 1
 
     def plan_save(self, request_id: str, block_hash: BlockHash, position: int,
                   supersedes: BlockHash | None = None) -> None:
@@ -96,18 +105,24 @@ class RecurrentStateCache:
         else:
             victim = next((h for h, s in self._slot_of.items() if s not in self._pinned), None)
             if victim is None:
+                self.stats.skipped += 1
                 return
             slot = self._slot_of.pop(victim)
+            self.stats.evicted += 1
         self._slot_of[block_hash] = slot
         self._saves.setdefault(request_id, []).append((position, slot))
         self._pinned.add(slot)
-        self.num_saved += 1
+        self.stats.saved += 1
 
     def take_copies(self) -> tuple[dict[str, int], dict[str, list[tuple[int, int]]]]:
         """This pass's copies for the workers (restores, saves); the next pass starts afresh."""
         restores, saves = self._restores, self._saves
         self._restores, self._saves, self._pinned = {}, {}, set()
         return restores, saves
+
+    def take_stats(self) -> RecurrentStateStats:
+        stats, self.stats = self.stats, RecurrentStateStats()
+        return stats
 
     def reset(self) -> None:
         """Forget every kept state (the prefix cache was reset); this pass's copies are dropped too."""

@@ -1114,6 +1114,12 @@ class Scheduler(SchedulerInterface):
             stats.kv_offload_stored_blocks, stats.kv_offload_loaded_blocks = moved.stored_blocks, moved.loaded_blocks
             stats.kv_offload_num_blocks = len(offload)
             stats.connector_prefix_cache_stats = self.kv_cache_manager.make_connector_prefix_cache_stats()
+        states = self.kv_cache_manager.recurrent_states
+        if states is not None:
+            kept = states.take_stats()
+            stats.recurrent_states_saved, stats.recurrent_states_restored = kept.saved, kept.restored
+            stats.recurrent_states_evicted, stats.recurrent_states_skipped = kept.evicted, kept.skipped
+            stats.recurrent_states_held = len(states)
         if self.max_loras:
             stats.running_lora_adapters = _count_adapters(self.running)
             stats.waiting_lora_adapters = _count_adapters([*self.waiting, *self.skipped_waiting])

@@ -201,6 +201,9 @@ def test_recurrent_models_start_prompts_from_the_states_the_prefix_cache_keeps(t
     assert answer == expected[2]
     assert next_turn.num_cached_tokens == 56 and next_turn.outputs[0].token_ids == expected_turn
     assert stats.prefix_cache_hits >= 76 and stats.num_free_blocks == stats.num_blocks
+    # (The repeat and the next turn each started from a kept state; nothing evicted from 64 slots.)
+    assert stats.num_recurrent_state_slots == 64 and stats.recurrent_states_restored >= 2
+    assert stats.recurrent_states_saved == stats.recurrent_states_held > 0 and stats.recurrent_states_evicted == 0
 
 
 @pytest.mark.parametrize("flags, refusal", [

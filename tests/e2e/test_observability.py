@@ -58,15 +58,19 @@ VLLM_DASHBOARD_QUERIES = [
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
-# The image panels' series (a vision-language model's): answered in test_observability_images.py.
-IMAGE_SERIES = ("llm_cluster:mm_", "vllm:mm_cache_")
+# The series of panels other models feed, answered in their own files: the image panels' (a
+# vision-language model's, test_observability_images.py), the recurrent layers' kept states' (a hybrid
+# model's, test_observability_recurrent.py).
+MODEL_SERIES = {"images": ("llm_cluster:mm_", "vllm:mm_cache_"), "recurrent": ("llm_cluster:recurrent_state",)}
 
 
-def dashboard_queries(images: bool = False) -> list[str]:
-    """The dashboard's queries as Grafana sends them: the image panels' (``images``) or the others'."""
+def dashboard_queries(model: str | None = None) -> list[str]:
+    """The dashboard's queries as Grafana sends them: those of the panels MODEL_SERIES[``model``]
+    feed, or (None) the others'."""
     dash = json.loads(DASHBOARD.read_text())
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
-    exprs = [e for e in exprs if any(series in e for series in IMAGE_SERIES) == images]
+    exprs = [e for e in exprs
+             if next((m for m, names in MODEL_SERIES.items() if any(name in e for name in names)), None) == model]
     # What Grafana substitutes before sending a query.
     return [e.replace("$__rate_interval", "1m").replace("$model_name", ".*") for e in exprs]
 

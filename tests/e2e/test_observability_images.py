@@ -65,7 +65,7 @@ def test_the_engine_counts_images_encoded_and_found_encoded(observed):
     assert (stats.num_images_encoded, stats.num_images_found_encoded) == (6, 6)
 
 
-@pytest.mark.parametrize("expr", dashboard_queries(images=True))
+@pytest.mark.parametrize("expr", dashboard_queries("images"))
 def test_every_image_panel_query_returns_data(observed, expr):
     _, prom = observed
     result = query_with_data(prom, expr)

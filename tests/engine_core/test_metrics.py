@@ -98,6 +98,24 @@ def test_kv_offloading_series_only_with_a_host_tier():
     assert value("vllm:external_prefix_cache_queries") == 112 and value("vllm:external_prefix_cache_hits") == 32
 
 
+def test_kept_recurrent_state_series_only_with_slots():
+    from engine_core.outputs import SchedulerStats
+
+    plain = _families(EngineMetrics(EngineConfig(served_model_name="m"), SchedulerConfig(), "m", num_blocks=8))
+    assert not any(name.startswith("llm_cluster:recurrent_state") for name in plain)
+    metrics = EngineMetrics(EngineConfig(served_model_name="m", mamba_cache_mode="align"), SchedulerConfig(), "m",
+                            num_blocks=8, num_recurrent_state_slots=6)
+    for saved, restored, evicted, skipped, held in ((4, 0, 0, 0, 4), (3, 2, 1, 1, 6)):
+        metrics.on_step({}, SchedulerStats(recurrent_states_saved=saved, recurrent_states_restored=restored,
+                                           recurrent_states_evicted=evicted, recurrent_states_skipped=skipped,
+                                           recurrent_states_held=held))
+    families = _families(metrics)
+    assert {name: families[name].samples[0].value for name in families if name.startswith("llm_cluster:recurrent")} \
+        == {"llm_cluster:recurrent_state_slots": 6, "llm_cluster:recurrent_states_held": 6,
+            "llm_cluster:recurrent_states_saved": 7, "llm_cluster:recurrent_states_restored": 2,
+            "llm_cluster:recurrent_states_evicted": 1, "llm_cluster:recurrent_states_skipped": 1}
+
+
 def test_an_embedding_request_counts_its_prompt_and_no_generation():
     metrics = EngineMetrics(EngineConfig(served_model_name="m"), SchedulerConfig(), "m", num_blocks=64)
     request = Request("e", [1, 2, 3, 4, 5], SamplingParams(max_tokens=1, embed=True), arrival_time=100.0)

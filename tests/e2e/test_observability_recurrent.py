@@ -1,0 +1,78 @@
+"""The recurrent-layer prefix cache's panel of the dashboard against a real Prometheus: a Granite
+4.0-H engine under --mamba-cache-mode align with few slots, fed prompts seen again (their states
+restored) and bursts of new ones (kept states evicted)."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from cluster.config import ClusterConfig, EngineSpec
+from tests.e2e.prometheus import prometheus_binary, query_with_data, run_prometheus, target_health
+from tests.e2e.test_observability import dashboard_queries
+from tests.gpu_worker.utils import save_tiny_model
+from tests.serve_cluster import serve_cluster
+from tests.tiny_model import build_tokenizer
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def observed(ray_cluster, tmp_path_factory):
+    if prometheus_binary() is None:
+        if os.environ.get("CI"):
+            pytest.fail("prometheus must be installed in CI (make test installs it)")
+        pytest.skip("prometheus not installed")
+    tokenizer = build_tokenizer()
+    model_dir = save_tiny_model(tmp_path_factory.mktemp("granite_hybrid"), "granitemoehybrid",
+                                vocab_size=len(tokenizer))
+    tokenizer.save_pretrained(model_dir)
+    config = ClusterConfig(model=str(model_dir), served_model_name="hybrid",
+                           defaults=EngineSpec(num_gpu_blocks=64, max_model_len=256, block_size=4,
+                                               mamba_cache_mode="align", mamba_prefix_cache_slots=6))
+    body = {"model": "hybrid", "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+
+    def send(prompts: list[str]) -> None:
+        with ThreadPoolExecutor(8) as pool:
+            codes = list(pool.map(lambda p: httpx.post(f"{served.base}/v1/completions", timeout=60,
+                                                       json=body | {"prompt": p}).status_code, prompts))
+        assert set(codes) == {200}
+
+    with serve_cluster(config) as served:
+        httpx.get(f"{served.base}/metrics", timeout=60)
+        with run_prometheus(served.base.removeprefix("http://"), scrape_interval="2s") as prom:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and target_health(prom) != [("up", "")]:
+                time.sleep(0.5)
+            # Two waves, scrapes in between: in each, four prompts sent twice in a row (the second
+            # time from the state the first kept), then a burst of eight new ones (more states than
+            # the six slots hold: the older ones are evicted).
+            for wave in range(2):
+                for k in range(4):
+                    prompt = f"Question {wave}-{k}: " + "how long is a piece of string " * 2
+                    send([prompt])
+                    send([prompt])
+                send([f"Burst {wave}-{k}: " + "words that nobody has sent before " * 2 for k in range(8)])
+                time.sleep(5)
+            yield served, prom
+
+
+def test_the_engine_counts_states_kept_restored_and_evicted(observed):
+    served, _ = observed
+    [stats] = served.stats()
+    assert stats.num_recurrent_state_slots == 6 and stats.recurrent_states_held == 6
+    assert stats.recurrent_states_restored >= 8  # (each prompt's second time, at least)
+    assert stats.recurrent_states_saved > 6 and stats.recurrent_states_evicted > 0
+
+
+@pytest.mark.parametrize("expr", dashboard_queries("recurrent"))
+def test_every_recurrent_state_panel_query_returns_data(observed, expr):
+    _, prom = observed
+    result = query_with_data(prom, expr)
+    assert result, f"no data for {expr}"
+    assert any(not math.isnan(float(r["value"][1])) for r in result), f"only NaN for {expr}"
