@@ -68,6 +68,12 @@ LORA_UNSERVED = {
     "JetMoeForCausalLM": "its attention experts' projections are stacked parameters, not layers LoRA wraps",
     "LongcatFlashForCausalLM": "its layers are served as half-layers under other names",
     "ModernBertDecoderForCausalLM": "its fused Wi / Wo projections are not adapter targets here",
+    # (Hybrids whose linear-attention layers name their projections as attention's, q_proj ... o_proj: an
+    # adapter on those names trains both kinds, and the linear layers' are fused or renamed here.)
+    "KimiLinearForCausalLM": "its delta-attention layers' q/k/v/o projections are not adapter targets here",
+    "BailingHybridForCausalLM": "its linear-attention layers' q/k/v/o projections are not adapter targets here",
+    "OlmoHybridForCausalLM": "its Gated DeltaNet layers' q/k/v/o projections are not adapter targets here",
+    "Zamba2ForCausalLM": "its shared transformer blocks (and their per-use LoRA) are not adapter targets here",
 }
 
 
@@ -138,8 +144,6 @@ def _mamba_refusal(config: EngineConfig, model_config: ModelConfig) -> str | Non
     if config.kv_offloading_size is not None:
         return ("KV offloading brings prefix-cache blocks back without the recurrent states at their ends: drop "
                 "--kv-offloading-size")
-    if config.lora_config is not None:
-        return "LoRA adapters are not served for them yet: drop --enable-lora"
     return None
 
 

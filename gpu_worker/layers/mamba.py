@@ -214,6 +214,9 @@ class MambaMixer2(nn.Module):
     groups of B and C that its heads read (split when they divide, else the one group on every
     rank); out_proj's all-reduce sums the heads' outputs, as vLLM shards its MambaMixer2."""
 
+    # The projections LoRA adapters may train (gpu_worker.lora.manager.wrap_model).
+    lora_targets = ("in_proj", "out_proj")
+
     def __init__(self, hidden_size: int, config: Mamba2Config, eps: float) -> None:
         super().__init__()
         rank, tp_size = tp_rank_and_size(None, None)

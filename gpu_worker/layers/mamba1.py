@@ -99,6 +99,9 @@ class MambaMixer(nn.Module):
     in_proj, convolution channels, x_proj's columns, dt_proj's rows, A, D, out_proj's columns);
     x_proj's all-reduce gives every rank the whole dt, B and C, as vLLM shards its MambaMixer."""
 
+    # The projections LoRA adapters may train (gpu_worker.lora.manager.wrap_model).
+    lora_targets = ("in_proj", "out_proj")
+
     def __init__(self, hidden_size: int, config: Mamba1Config, eps: float = 1e-6) -> None:
         super().__init__()
         rank, tp_size = tp_rank_and_size(None, None)

@@ -25,6 +25,9 @@ class ShortConv(nn.Module):
     (their rows of in_proj, the convolution's channels) and out_proj's columns for them; out_proj's
     all-reduce sums the ranks' shares."""
 
+    # The projections LoRA adapters may train (gpu_worker.lora.manager.wrap_model).
+    lora_targets = ("in_proj", "out_proj")
+
     def __init__(self, hidden_size: int, config: ShortConvConfig, eps: float = 0.0) -> None:
         super().__init__()
         rank, tp_size = tp_rank_and_size(None, None)

@@ -45,13 +45,17 @@ def _full_output_size(base: ColumnParallelLinear, shard_id: int | str | None) ->
 
 def wrap_model(model: nn.Module, batch: LoRABatch) -> dict[str, LoRALinear]:
     """Replace the model's projections that adapters may train by LoRA wrappers (after the weights
-    are loaded: parameter names keep their checkpoint form until then). Returns them by path."""
+    are loaded: parameter names keep their checkpoint form until then): those of the names adapters
+    train in every model, and those a layer names in its ``lora_targets`` (a recurrent mixer's
+    in_proj and out_proj). Returns them by path."""
     targets = set(TARGET_MODULES) | {fused for fused, _ in getattr(model, "packed_modules_mapping", {}).values()}
     wrapped: dict[str, LoRALinear] = {}
     for path, module in list(model.named_modules()):
         name = path.rsplit(".", 1)[-1]
-        if name in targets and isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            parent = model.get_submodule(path.rsplit(".", 1)[0]) if "." in path else model
+        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            continue
+        parent = model.get_submodule(path.rsplit(".", 1)[0]) if "." in path else model
+        if name in targets or name in getattr(parent, "lora_targets", ()):
             wrapper = LoRALinear(module, path, batch)
             setattr(parent, name, wrapper)
             wrapped[path] = wrapper
@@ -274,7 +278,17 @@ class LoRAManager:
         """A: the trained sub-projections' A stacked ([R, in]); B: [out slice, R], each sub's
         columns holding its B rows for this rank where the fused weight holds that sub. An adapter
         trained on the fused projection itself (Phi-3's ``qkv_proj``, shard id None) has one A, and
-        its B's rows are cut into the subs, each placed as the base weight's rows are."""
+        its B's rows are cut into the subs, each placed as the base weight's rows are. A projection
+        whose weight picks this rank's rows with a loader of its own (a recurrent mixer's in_proj: its
+        rank's rows of each part) has its B's rows picked by that loader."""
+        own_loader = getattr(base.weight, "weight_loader", None)
+        if own_loader is not None and own_loader != base.weight_loader and set(subs) == {None}:
+            a, whole_b = subs[None]
+            if a.shape[1] != base.input_size:
+                raise ValueError(f"lora_A has {a.shape[1]} inputs, the layer {base.input_size}")
+            b = torch.zeros(base.output_size_per_partition, a.shape[0], dtype=a.dtype)
+            own_loader(b, whole_b)
+            return a, b
         if isinstance(base, QKVParallelLinear):
             order: list[int | str | None] = ["q", "k", "v"]
         elif isinstance(base, MergedColumnParallelLinear):

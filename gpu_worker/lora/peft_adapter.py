@@ -30,7 +30,8 @@ TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"
 # The names an adapter's checkpoint may give them: ours, and those of checkpoints that name a projection
 # otherwise, read as ours by the model (lora_module_name): GPT-2's c_attn, GPT-J's and OPT's out_proj,
 # Phi's, GPT-NeoX's and Falcon's dense, GPT-NeoX's and Falcon's query_key_value.
-ADAPTER_MODULE_NAMES = (*TARGET_MODULES, "c_attn", "out_proj", "dense", "query_key_value", "Wqkv")
+ADAPTER_MODULE_NAMES = (*TARGET_MODULES, "c_attn", "out_proj", "dense", "query_key_value", "Wqkv",
+                        "in_proj")  # (a recurrent mixer's, with its out_proj: their lora_targets)
 _PREFIX = "base_model.model."
 _A, _B = ".lora_A.weight", ".lora_B.weight"
 # adapter_config.json settings that change what the adapter computes, and are not served.

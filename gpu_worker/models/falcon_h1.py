@@ -57,6 +57,16 @@ class FalconH1ForCausalLM(BambaForCausalLM):
                 ".mamba.in_proj.": (rows * ssm_in, rows), ".mamba.out_proj.": (ssm_out, ssm_out),
                 ".mlp.gate_proj.": (gate, gate), ".mlp.down_proj.": (down, down)}
 
+    def lora_b_rows(self, module: str, b: torch.Tensor) -> torch.Tensor:
+        """A LoRA adapter's B for ``module`` scaled as the base weight's rows were at load (the
+        multipliers scale a projection's outputs, or its inputs, the same for its low-rank update)."""
+        for part, (weight_scale, _) in self._multipliers().items():
+            if part in f"{module}.":
+                if isinstance(weight_scale, torch.Tensor):
+                    return b * weight_scale.to(b.device, b.dtype)[:, None]
+                return b * weight_scale
+        return b
+
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         multipliers = self._multipliers()
         skipped = self.pp_missing_prefixes  # (other pipeline stages' layers: not read, so not scaled)

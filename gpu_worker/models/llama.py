@@ -773,6 +773,13 @@ class GraniteMoeSharedForCausalLM(GraniteMoeForCausalLM):
             else:
                 yield name, tensor
 
+    def lora_module_name(self, module: str) -> str:
+        """An adapter's shared-MLP projections as ours: input_linear (its gate rows, then its up rows)
+        our fused gate_up_proj, output_linear our down_proj."""
+        shared = ".mlp.shared_experts." if self.config.num_experts else ".mlp."
+        return (f"{module}.".replace(".shared_mlp.input_linear.", f"{shared}gate_up_proj.")
+                .replace(".shared_mlp.output_linear.", f"{shared}down_proj."))[:-1]
+
 
 class GraniteMoeSWAForCausalLM(GraniteMoeSharedForCausalLM):
     """GraniteMoeSWA: Granite MoE Shared with GraniteSWA's attention (windowed layers, sinks, a RoPE
@@ -799,9 +806,13 @@ class BambaForCausalLM(LlamaForCausalLM):
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         for name, tensor in weights:
-            for theirs, ours in self._RENAMED:
-                name = name.replace(theirs, ours)
-            yield name, tensor
+            yield self.lora_module_name(name), tensor
+
+    def lora_module_name(self, name: str) -> str:
+        """A checkpoint's (or an adapter's) name as ours: its feed_forward our mlp."""
+        for theirs, ours in self._RENAMED:
+            name = f"{name}.".replace(theirs, ours)[:-1]
+        return name
 
 
 class MixtralForCausalLM(LlamaForCausalLM):

@@ -134,11 +134,14 @@ class NemotronHForCausalLM(SingleStageCausalLM):
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         for name, tensor in weights:
-            for theirs, ours in self._RENAMED:
-                if name.startswith(theirs):
-                    name = ours + name[len(theirs):]
-                    break
-            yield name, tensor
+            yield self.lora_module_name(name), tensor
+
+    def lora_module_name(self, name: str) -> str:
+        """A checkpoint's (or an adapter's) name as ours: backbone.layers.N.mixer our model.layers.N.mixer."""
+        for theirs, ours in self._RENAMED:
+            if name.startswith(theirs):
+                return ours + name[len(theirs):]
+        return name
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.mixer.attn for layer in self.model.layers if layer.kind == "attention"]

@@ -206,10 +206,38 @@ def test_recurrent_models_start_prompts_from_the_states_the_prefix_cache_keeps(t
     assert stats.recurrent_states_saved == stats.recurrent_states_held > 0 and stats.recurrent_states_evicted == 0
 
 
+def test_a_hybrid_serves_adapters_and_keeps_each_adapters_recurrent_states_apart(tmp_path):
+    """Granite 4.0-H with --enable-lora and --mamba-cache-mode align: a prompt under an adapter on its
+    attention and Mamba-2 projections, again under it (from the state the first kept), then under the
+    base model (its blocks hash apart from the adapter's: computed whole); each answer PEFT's or
+    transformers' own."""
+    from cluster import LLM, LoRARequest
+    from tests.lora_adapters import peft_model, save_adapter
+
+    path = _model(tmp_path, "granitemoehybrid")
+    targets = ("q_proj", "o_proj", "in_proj", "out_proj")
+    adapter = LoRARequest("a", 1, str(save_adapter(path, tmp_path / "a", seed=3, targets=targets)))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    llm = LLM(model=str(path), dtype="float32", block_size=4, num_gpu_blocks=40, max_model_len=128,
+              max_num_batched_tokens=16, mamba_cache_mode="align", enable_lora=True, max_lora_rank=8)
+    try:
+        adapted, again = (llm.generate([PROMPTS[4]], params, use_tqdm=False, lora_request=adapter)[0]
+                          for _ in range(2))
+        plain = llm.generate([PROMPTS[4]], params, use_tqdm=False)[0]
+    finally:
+        llm.shutdown()
+    with torch.no_grad():
+        expected_adapted = hf_greedy(peft_model(path, seed=3, targets=targets), PROMPTS[4], 8)
+        expected_plain = hf_greedy(load_hf(path), PROMPTS[4], 8)
+    assert expected_adapted != expected_plain
+    assert adapted.outputs[0].token_ids == again.outputs[0].token_ids == expected_adapted
+    assert adapted.num_cached_tokens == 0 and again.num_cached_tokens == 20  # (23 tokens: its last full block)
+    assert plain.num_cached_tokens == 0 and plain.outputs[0].token_ids == expected_plain
+
+
 @pytest.mark.parametrize("flags, refusal", [
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative decoding"),
     ({"kv_offloading_size": 0.01}, "KV offloading"),
-    ({"enable_lora": True}, "LoRA"),
     ({"kv_transfer_config": {"kv_role": "kv_both"}}, "prefill/decode disaggregation"),
 ])
 def test_granite_4_hybrid_refuses_what_its_states_cannot_follow(tmp_path, flags, refusal):

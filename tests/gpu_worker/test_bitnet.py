@@ -179,12 +179,14 @@ def test_tensor_parallelism_lora_and_other_families_are_refused(tmp_path):
 @pytest.mark.parametrize(("options", "refusal"), [
     ({"tensor_parallel_size": 2}, "one tensor-parallel rank"),
     ({"enable_lora": True, "kind": "jetmoe"}, "not served for JetMoeForCausalLM"),
+    ({"enable_lora": True, "kind": "kimi_linear"}, "not served for KimiLinearForCausalLM .*delta-attention"),
     ({"enable_lora": True}, "LoRA adapters are not served on bitnet"),
     ({"tensor_parallel_size": 2, "unquantized": True}, "BitNetForCausalLM is served on one tensor-parallel rank"),
 ])
 def test_an_engine_refuses_before_its_workers_start(tmp_path, options, refusal):
     """What an engine refuses before its workers start: a BitNet checkpoint on two tensor-parallel ranks or
-    with LoRA, unquantized BitNet on two ranks, LoRA on a family whose adapters it cannot place (JetMoE)."""
+    with LoRA, unquantized BitNet on two ranks, LoRA on a family whose adapters it cannot place (JetMoE,
+    Kimi-Linear)."""
     from engine_core.config import EngineConfig, LoRAConfig, SchedulerConfig
     from gpu_worker.executor import create_executor
     from tests.tiny_model import build_tokenizer

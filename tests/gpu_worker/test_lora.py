@@ -272,6 +272,16 @@ def _adapter_a_expectations(base, tmp_path, adapter_seed: int, prompt_seed: int,
     return adapters, prompts, expected
 
 
+def _assert_pefts_tokens(tmp_path: Path, kind: str, targets: tuple[str, ...], seed: int, prompt_seed: int,
+                        **overrides) -> None:
+    """A random ``kind`` model and a PEFT adapter of ``seed`` on ``targets``, served: PEFT's tokens."""
+    base = save_tiny_model(tmp_path / "base", kind, vocab_size=251, **overrides)
+    save_adapter(base, tmp_path / "a", seed=seed, targets=targets)
+    adapters, prompts, expected = _adapter_a_expectations(base, tmp_path, adapter_seed=seed, prompt_seed=prompt_seed,
+                                                          targets=targets)
+    assert _drive(_worker(base, adapters).execute_model, adapters, prompts, max_loras=1) == expected
+
+
 def test_an_adapter_on_a_moe_model_covers_attention_the_shared_expert_and_dense_layers(tmp_path):
     """PEFT adapts a Qwen2-MoE's linear projections (attention, the shared expert, the dense layer's
     MLP), not its stacked routed experts; served, it gives PEFT's tokens."""
@@ -384,11 +394,55 @@ def test_adapters_on_ungated_mlps_and_renamed_projections_give_pefts_tokens(tmp_
     MiMo-V2-Flash's v_proj (B's rows padded per head to the keys' width, as
     the weight's), nanochat's q and k (B's rows' head halves swapped, as the weight's) and fc1 / fc2:
     each adapter gives PEFT's tokens."""
-    base = save_tiny_model(tmp_path / "base", kind, vocab_size=251, **overrides)
+    _assert_pefts_tokens(tmp_path, kind, targets, 9, 19, **overrides)
+
+
+# Models with recurrent layers and what their adapters train: attention, MLPs, shared experts, and the
+# recurrent mixers' in_proj and out_proj (PEFT refuses out_proj on its "Mamba-based" models: Mamba-1,
+# Mamba-2, Nemotron-H, Falcon-H1).
+RECURRENT_ADAPTERS = {
+    "granitemoehybrid": ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "out_proj", "input_linear",
+                         "output_linear"),
+    "bamba": ("q_proj", "v_proj", "gate_proj", "down_proj", "in_proj", "out_proj"),
+    "falcon_h1": ("q_proj", "k_proj", "o_proj", "gate_proj", "down_proj", "in_proj"),
+    "nemotron_h": ("q_proj", "o_proj", "up_proj", "down_proj", "in_proj"),
+    "mamba": ("in_proj",),
+    "jamba": ("q_proj", "o_proj", "in_proj", "out_proj"),
+    "lfm2": ("q_proj", "out_proj", "in_proj", "w1", "w2"),
+    "qwen3_next": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "minimax": ("q_proj", "k_proj", "v_proj", "o_proj"),
+}
+
+
+@pytest.mark.parametrize("kind", RECURRENT_ADAPTERS)
+def test_adapters_on_models_with_recurrent_layers_give_pefts_tokens(tmp_path, kind):
+    """Granite 4.0-H (its Mamba-2 mixers' in_proj and out_proj, its shared MLP's input_linear: our fused
+    gate_up_proj, B's rows split into gate and up; output_linear: our down_proj), Bamba (feed_forward:
+    our mlp), Falcon-H1 (B's rows scaled as its multipliers scaled the weights' at load), Nemotron-H and
+    Mamba (backbone: our model), Jamba (Mamba-1 mixers), LFM2 (its short convolutions' in_proj and
+    out_proj, its attention's out_proj: our o_proj), Qwen3-Next and MiniMax (their full-attention layers
+    beside Gated DeltaNet and lightning attention): each adapter gives PEFT's tokens, the states each
+    request carries computed under its adapter."""
+    _assert_pefts_tokens(tmp_path, kind, RECURRENT_ADAPTERS[kind], 9, 19)
+
+
+@pytest.mark.slow
+def test_tp2_over_gloo_shards_an_adapter_on_a_hybrids_mixers_as_their_weights(tmp_path, tp_hosts):
+    """Granite 4.0-H over two ranks: each holds half the Mamba-2 heads (its rows of each part of in_proj,
+    picked by the mixer's own loader) and the adapter's B rows for them, and out_proj's A columns for
+    its heads; the answers are PEFT's."""
+    import ray
+
+    targets = RECURRENT_ADAPTERS["granitemoehybrid"]
+    base = save_tiny_model(tmp_path / "base", "granitemoehybrid", vocab_size=251)
     save_adapter(base, tmp_path / "a", seed=9, targets=targets)
     adapters, prompts, expected = _adapter_a_expectations(base, tmp_path, adapter_seed=9, prompt_seed=19,
                                                           targets=targets)
-    assert _drive(_worker(base, adapters).execute_model, adapters, prompts, max_loras=1) == expected
+    with two_tp_ranks(base, tp_hosts, device="cpu", dtype="float32", max_model_len=128, num_cpus=1,
+                      max_lora_rank=8) as (ranks, execute):
+        ray.get([w.initialize_cache.remote(60, 4) for w in ranks])
+        assert ray.get([w.add_lora.remote(adapters[1]) for w in ranks]) == [True, True]
+        assert _drive(execute, adapters, prompts, max_loras=1) == expected
 
 
 def test_an_adapter_on_afmoes_attention_gate_gives_the_merged_models_tokens(tmp_path):
