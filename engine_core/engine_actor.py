@@ -93,6 +93,8 @@ class EngineCoreService:
                                      self.engine.num_recurrent_state_slots) if config.log_stats else None
         if self.metrics is not None and self.engine.kv_connector is not None:
             self.metrics.kv_transfer = self.engine.kv_transfer_totals
+        if self.metrics is not None:
+            self.metrics.kept_states_held = lambda: self.engine.num_recurrent_states_held
         if self.metrics is not None and self.engine.model_info.image_token_id is not None:
             self.metrics.encoder_cache = self.engine.encoder_cache_totals
         self._on_adapters_changed()

@@ -1015,11 +1015,16 @@ class EngineCore:
                                  EngineCoreOutputs(engine_index=self.config.engine_index, timestamp=time.time()))
         eco.outputs.append(EngineCoreOutput(request.request_id, [], FinishReason.ERROR, message))
 
+    @property
+    def num_recurrent_states_held(self) -> int:
+        """The recurrent-layer states the prefix cache keeps now (0 when it keeps none)."""
+        kept = self.scheduler.kv_cache_manager.recurrent_states
+        return len(kept) if kept is not None else 0
+
     def stats(self, healthy: bool = True) -> EngineStats:
         scheduler = self.scheduler
         t = self._totals
         kv = self.kv_transfer_totals()
-        kept_states = scheduler.kv_cache_manager.recurrent_states
         return EngineStats(
             engine_index=self.config.engine_index, healthy=healthy,
             scheduler_config=self.scheduler_config.as_dict(), num_blocks=self.num_blocks,
@@ -1035,7 +1040,7 @@ class EngineCore:
             external_prefix_cache_hits=t["external_hits"], recurrent_states_saved=t["states_saved"],
             recurrent_states_restored=t["states_restored"], recurrent_states_evicted=t["states_evicted"],
             recurrent_states_skipped=t["states_skipped"], num_recurrent_state_slots=self.num_recurrent_state_slots,
-            recurrent_states_held=len(kept_states) if kept_states is not None else 0,
+            recurrent_states_held=self.num_recurrent_states_held,
             kv_transfer_sent_blocks=kv["sent_blocks"],
             kv_transfer_received_blocks=kv["received_blocks"], kv_transfer_failures=kv["failed_reads"],
             kv_transfer_declined=kv["declined"], kv_transfer_held_requests=kv["held"],

@@ -198,12 +198,14 @@ class EngineMetrics:
              "external_queries": 0.0, "external_hits": 0.0}
             if num_offload_blocks else None)
         # Recurrent layers' states kept for the prefix cache (exported only under --mamba-cache-mode
-        # align, for a model with such layers): the slots, the states kept now, and states kept,
-        # restored, evicted and not kept.
+        # align, for a model with such layers): the slots, and states kept, restored, evicted and not
+        # kept; the states kept now are read at each scrape (kept_states_held: a prefix-cache reset,
+        # sleep or worker restart empties them between passes).
         self.kept_states: dict[str, float] | None = (
-            {"slots": float(num_recurrent_state_slots), "held": 0.0, "saved": 0.0, "restored": 0.0,
-             "evicted": 0.0, "skipped": 0.0}
+            {"slots": float(num_recurrent_state_slots), "saved": 0.0, "restored": 0.0, "evicted": 0.0,
+             "skipped": 0.0}
             if num_recurrent_state_slots else None)
+        self.kept_states_held: Callable[[], int] = lambda: 0
         # Prefill/decode disaggregation (exported only with --kv-transfer-config): the engine's totals
         # since start (EngineCore.kv_transfer_totals), read at each scrape.
         self.kv_transfer: Callable[[], dict[str, int]] | None = None
@@ -364,7 +366,6 @@ class EngineMetrics:
                 self.offload["external_hits"] += stats.connector_prefix_cache_stats.hits
         if self.kept_states is not None:
             kept = self.kept_states
-            kept["held"] = stats.recurrent_states_held
             kept["saved"] += stats.recurrent_states_saved
             kept["restored"] += stats.recurrent_states_restored
             kept["evicted"] += stats.recurrent_states_evicted
@@ -477,7 +478,7 @@ class EngineMetrics:
                         "Recurrent-layer states the prefix cache has room for (--mamba-prefix-cache-slots).",
                         kept["slots"])
             yield gauge("llm_cluster:recurrent_states_held", "Recurrent-layer states the prefix cache keeps now.",
-                        kept["held"])
+                        self.kept_states_held())
             yield counter("llm_cluster:recurrent_states_saved",
                           "Recurrent-layer states copied into the prefix cache's slots.", kept["saved"])
             yield counter("llm_cluster:recurrent_states_restored",

@@ -201,12 +201,11 @@ class SchedulerStats(msgspec.Struct):
     connector_prefix_cache_stats: PrefixCacheStats | None = None
     # With recurrent layers' states kept for the prefix cache (--mamba-cache-mode align), since the
     # previous stats: states kept (copied into a slot), requests started from one, kept states whose
-    # slot a newer one took, and states not kept (every slot was its pass's); and the states kept now.
+    # slot a newer one took, and states not kept (every slot was its pass's).
     recurrent_states_saved: int = 0
     recurrent_states_restored: int = 0
     recurrent_states_evicted: int = 0
     recurrent_states_skipped: int = 0
-    recurrent_states_held: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

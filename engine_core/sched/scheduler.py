@@ -1119,7 +1119,6 @@ class Scheduler(SchedulerInterface):
             kept = states.take_stats()
             stats.recurrent_states_saved, stats.recurrent_states_restored = kept.saved, kept.restored
             stats.recurrent_states_evicted, stats.recurrent_states_skipped = kept.evicted, kept.skipped
-            stats.recurrent_states_held = len(states)
         if self.max_loras:
             stats.running_lora_adapters = _count_adapters(self.running)
             stats.waiting_lora_adapters = _count_adapters([*self.waiting, *self.skipped_waiting])

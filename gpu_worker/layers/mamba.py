@@ -236,6 +236,8 @@ class MambaMixer2(nn.Module):
         for param in (self.in_proj.weight, self.in_proj.bias):
             if param is not None:
                 param.weight_loader = lambda p, loaded, shard=None: copy_into(p, rank_rows(loaded, in_sections))
+        # (The checkpoint's rows, which a LoRA adapter's B must have: gpu_worker.lora.manager.)
+        self.in_proj.weight.checkpoint_rows = full.intermediate_size + full.conv_dim + full.num_heads
         self.conv1d = DepthwiseConv(m.conv_dim, m.conv_kernel, m.conv_bias, conv_sections)
         self.A_log = nn.Parameter(torch.empty(m.num_heads), requires_grad=False)
         self.D = nn.Parameter(torch.empty(m.num_heads), requires_grad=False)

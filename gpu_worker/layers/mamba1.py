@@ -113,6 +113,8 @@ class MambaMixer(nn.Module):
         for param in (self.in_proj.weight, self.in_proj.bias):
             if param is not None:
                 param.weight_loader = lambda p, loaded, shard=None: copy_into(p, rank_rows(loaded, in_sections))
+        # (The checkpoint's rows, which a LoRA adapter's B must have: gpu_worker.lora.manager.)
+        self.in_proj.weight.checkpoint_rows = 2 * full.intermediate_size
         self.conv1d = DepthwiseConv(width, m.conv_kernel, m.conv_bias, [(rank * width, width)])
         self.x_proj = RowParallelLinear(full.intermediate_size, m.dt_rank + 2 * m.state_size, bias=False)
         self.dt_proj = ColumnParallelLinear(m.dt_rank, full.intermediate_size, bias=True)

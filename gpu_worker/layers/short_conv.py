@@ -39,6 +39,8 @@ class ShortConv(nn.Module):
         for param in (self.in_proj.weight, self.in_proj.bias):
             if param is not None:
                 param.weight_loader = lambda p, loaded, shard=None: copy_into(p, rank_rows(loaded, in_sections))
+        # (The checkpoint's rows, which a LoRA adapter's B must have: gpu_worker.lora.manager.)
+        self.in_proj.weight.checkpoint_rows = 3 * config.channels
         self.conv = DepthwiseConv(width, m.conv_kernel, m.bias, [(rank * width, width)])
         self.out_proj = RowParallelLinear(config.channels, hidden_size, bias=m.bias)
         # Bound by the model runner (as PagedAttention's kv_cache).

@@ -280,12 +280,16 @@ class LoRAManager:
         trained on the fused projection itself (Phi-3's ``qkv_proj``, shard id None) has one A, and
         its B's rows are cut into the subs, each placed as the base weight's rows are. A projection
         whose weight picks this rank's rows with a loader of its own (a recurrent mixer's in_proj: its
-        rank's rows of each part) has its B's rows picked by that loader."""
+        rank's rows of each part) has its B's rows picked by that loader, B as many rows as the
+        checkpoint's weight (``checkpoint_rows``)."""
         own_loader = getattr(base.weight, "weight_loader", None)
         if own_loader is not None and own_loader != base.weight_loader and set(subs) == {None}:
             a, whole_b = subs[None]
             if a.shape[1] != base.input_size:
                 raise ValueError(f"lora_A has {a.shape[1]} inputs, the layer {base.input_size}")
+            rows = getattr(base.weight, "checkpoint_rows", None)
+            if rows is None or whole_b.shape[0] != rows:
+                raise ValueError(f"lora_B has {whole_b.shape[0]} outputs, the layer {rows}")
             b = torch.zeros(base.output_size_per_partition, a.shape[0], dtype=a.dtype)
             own_loader(b, whole_b)
             return a, b

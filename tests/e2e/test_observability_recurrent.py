@@ -76,3 +76,23 @@ def test_every_recurrent_state_panel_query_returns_data(observed, expr):
     result = query_with_data(prom, expr)
     assert result, f"no data for {expr}"
     assert any(not math.isnan(float(r["value"][1])) for r in result), f"only NaN for {expr}"
+
+
+def test_the_states_held_gauge_reads_the_cache_as_it_is_when_scraped(observed):
+    """(Last: it empties the cache.) A prefix-cache reset between passes empties the kept states: the
+    next scrape says so, with no pass in between to report it."""
+    import ray
+
+    served, _ = observed
+
+    def held() -> float:
+        text = httpx.get(f"{served.base}/metrics", timeout=60).text
+        return next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                    if line.startswith("llm_cluster:recurrent_states_held{"))
+
+    assert held() == 6
+    assert ray.get(served.engines[0].actor.reset_prefix_cache.remote())
+    deadline = time.monotonic() + 20  # (the router's scrape of the engines may be a moment old)
+    while held() != 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert held() == 0

@@ -426,6 +426,24 @@ def test_adapters_on_models_with_recurrent_layers_give_pefts_tokens(tmp_path, ki
     _assert_pefts_tokens(tmp_path, kind, RECURRENT_ADAPTERS[kind], 9, 19)
 
 
+def test_an_adapter_whose_mixer_projection_is_shaped_for_another_model_is_refused(tmp_path):
+    """A Mamba-2 mixer's in_proj B of more rows than the checkpoint's (an adapter of a model with wider
+    states, say) is refused by name, not cut to the rows this model's loader picks."""
+    from safetensors.torch import load_file, save_file
+
+    base = save_tiny_model(tmp_path / "base", "granitemoehybrid", vocab_size=251)
+    save_adapter(base, tmp_path / "a", seed=9, targets=("in_proj",))
+    weights = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
+    [key] = [k for k in weights if k.endswith("layers.0.mamba.in_proj.lora_B.weight")]
+    rows = weights[key].shape[0]
+    weights[key] = torch.cat((weights[key], torch.zeros(16, weights[key].shape[1])))
+    save_file(weights, str(tmp_path / "a" / "adapter_model.safetensors"))
+    worker = _worker(base, {})
+    with pytest.raises(ValueError, match=rf"mamba.in_proj do not fit the model \(lora_B has {rows + 16} outputs, "
+                                         rf"the layer {rows}\)"):
+        worker.add_lora(LoRARequest("a", 1, str(tmp_path / "a")))
+
+
 @pytest.mark.slow
 def test_tp2_over_gloo_shards_an_adapter_on_a_hybrids_mixers_as_their_weights(tmp_path, tp_hosts):
     """Granite 4.0-H over two ranks: each holds half the Mamba-2 heads (its rows of each part of in_proj,
