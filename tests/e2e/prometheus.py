@@ -73,3 +73,33 @@ def target_health(base: str) -> list[tuple[str, str]]:
     """(health, last scrape error) of each target."""
     targets = httpx.get(f"{base}/api/v1/targets", timeout=10).json()["data"]["activeTargets"]
     return [(t["health"], t["lastError"]) for t in targets]
+
+
+def require_prometheus() -> None:
+    """Skip a test where Prometheus is not installed; in CI it must be (make test installs it)."""
+    import pytest
+
+    if prometheus_binary() is None:
+        if os.environ.get("CI"):
+            pytest.fail("prometheus must be installed in CI (make test installs it)")
+        pytest.skip("prometheus not installed")
+
+
+@contextlib.contextmanager
+def scraping(served_base: str) -> Iterator[str]:
+    """Prometheus scraping the cluster at ``served_base`` (http://host:port) every 2 s, yielded once its
+    target is up (waited for up to a minute)."""
+    with run_prometheus(served_base.removeprefix("http://"), scrape_interval="2s") as prom:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and target_health(prom) != [("up", "")]:
+            time.sleep(0.5)
+        yield prom
+
+
+def assert_query_has_data(prom: str, expr: str) -> None:
+    """A dashboard query answers with data, not only NaN (query_with_data's retries)."""
+    import math
+
+    result = query_with_data(prom, expr)
+    assert result, f"no data for {expr}"
+    assert any(not math.isnan(float(r["value"][1])) for r in result), f"only NaN for {expr}"

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -14,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.config import ClusterConfig, EngineSpec
-from tests.e2e.prometheus import prometheus_binary, query_with_data, run_prometheus, target_health
+from tests.e2e.prometheus import assert_query_has_data, query_with_data, require_prometheus, scraping, target_health
 from tests.lora_adapters import save_adapter
 from tests.serve_cluster import serve_cluster
 
@@ -77,10 +75,7 @@ def dashboard_queries(model: str | None = None) -> list[str]:
 
 @pytest.fixture(scope="module")
 def observed(ray_cluster, tiny_model_dir, tmp_path_factory):
-    if prometheus_binary() is None:
-        if os.environ.get("CI"):
-            pytest.fail("prometheus must be installed in CI (make test installs it)")
-        pytest.skip("prometheus not installed")
+    require_prometheus()
     adapter = save_adapter(tiny_model_dir, tmp_path_factory.mktemp("sql"))
     config = ClusterConfig(model=str(tiny_model_dir), served_model_name="tiny", num_engines=2,
                            num_router_replicas=2, routing_policy="round_robin",
@@ -101,11 +96,7 @@ def observed(ray_cluster, tiny_model_dir, tmp_path_factory):
     with serve_cluster(config) as served:
         for _ in range(4):  # warm both replicas' metrics path (the hub actor starts on first use)
             httpx.get(f"{served.base}/metrics", timeout=60)
-        target = served.base.removeprefix("http://")
-        with run_prometheus(target, scrape_interval="2s") as prom:
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and target_health(prom) != [("up", "")]:
-                time.sleep(0.5)
+        with scraping(served.base) as prom:
             shared = "The quick brown fox jumps over the lazy dog. " * 3
             body = {"model": "tiny", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
             # Two waves with scrapes in between, so every rate() window sees counters move; a quarter
@@ -203,10 +194,7 @@ def test_engine_series_are_the_same_whichever_replica_answers(observed):
 
 @pytest.mark.parametrize("expr", dashboard_queries())
 def test_every_dashboard_query_returns_data(observed, expr):
-    _, prom = observed
-    result = query_with_data(prom, expr)
-    assert result, f"no data for {expr}"
-    assert any(not math.isnan(float(r["value"][1])) for r in result), f"only NaN for {expr}"
+    assert_query_has_data(observed[1], expr)
 
 
 def test_the_engines_panel_counts_the_engines_serving(observed):

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import base64
 import io
-import math
-import os
 import time
 
 import httpx
@@ -14,7 +12,7 @@ import numpy as np
 import pytest
 
 from cluster.config import ClusterConfig, EngineSpec
-from tests.e2e.prometheus import prometheus_binary, query_with_data, run_prometheus, target_health
+from tests.e2e.prometheus import assert_query_has_data, require_prometheus, scraping
 from tests.e2e.test_observability import dashboard_queries
 from tests.serve_cluster import serve_cluster
 from tests.tiny_model import build_tiny_llava
@@ -32,19 +30,13 @@ def _data_url(seed: int) -> str:
 
 @pytest.fixture(scope="module")
 def observed(ray_cluster, tmp_path_factory):
-    if prometheus_binary() is None:
-        if os.environ.get("CI"):
-            pytest.fail("prometheus must be installed in CI (make test installs it)")
-        pytest.skip("prometheus not installed")
+    require_prometheus()
     model_dir = build_tiny_llava(tmp_path_factory.mktemp("llava"))
     config = ClusterConfig(model=str(model_dir), served_model_name="llava",
                            defaults=EngineSpec(num_gpu_blocks=64, max_model_len=256, block_size=4))
     with serve_cluster(config) as served:
         httpx.get(f"{served.base}/metrics", timeout=60)
-        with run_prometheus(served.base.removeprefix("http://"), scrape_interval="2s") as prom:
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and target_health(prom) != [("up", "")]:
-                time.sleep(0.5)
+        with scraping(served.base) as prom:
             # Two waves; in each, three images, each asked about after two different questions (the
             # second time: not decoded again by the router, not encoded again by the engine).
             for wave in range(2):
@@ -67,7 +59,4 @@ def test_the_engine_counts_images_encoded_and_found_encoded(observed):
 
 @pytest.mark.parametrize("expr", dashboard_queries("images"))
 def test_every_image_panel_query_returns_data(observed, expr):
-    _, prom = observed
-    result = query_with_data(prom, expr)
-    assert result, f"no data for {expr}"
-    assert any(not math.isnan(float(r["value"][1])) for r in result), f"only NaN for {expr}"
+    assert_query_has_data(observed[1], expr)

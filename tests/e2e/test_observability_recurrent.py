@@ -4,8 +4,6 @@ restored) and bursts of new ones (kept states evicted)."""
 
 from __future__ import annotations
 
-import math
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -13,7 +11,7 @@ import httpx
 import pytest
 
 from cluster.config import ClusterConfig, EngineSpec
-from tests.e2e.prometheus import prometheus_binary, query_with_data, run_prometheus, target_health
+from tests.e2e.prometheus import assert_query_has_data, require_prometheus, scraping
 from tests.e2e.test_observability import dashboard_queries
 from tests.gpu_worker.utils import save_tiny_model
 from tests.serve_cluster import serve_cluster
@@ -24,10 +22,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def observed(ray_cluster, tmp_path_factory):
-    if prometheus_binary() is None:
-        if os.environ.get("CI"):
-            pytest.fail("prometheus must be installed in CI (make test installs it)")
-        pytest.skip("prometheus not installed")
+    require_prometheus()
     tokenizer = build_tokenizer()
     model_dir = save_tiny_model(tmp_path_factory.mktemp("granite_hybrid"), "granitemoehybrid",
                                 vocab_size=len(tokenizer))
@@ -45,10 +40,7 @@ def observed(ray_cluster, tmp_path_factory):
 
     with serve_cluster(config) as served:
         httpx.get(f"{served.base}/metrics", timeout=60)
-        with run_prometheus(served.base.removeprefix("http://"), scrape_interval="2s") as prom:
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and target_health(prom) != [("up", "")]:
-                time.sleep(0.5)
+        with scraping(served.base) as prom:
             # Two waves, scrapes in between: in each, four prompts sent twice in a row (the second
             # time from the state the first kept), then a burst of eight new ones (more states than
             # the six slots hold: the older ones are evicted).
@@ -72,10 +64,7 @@ def test_the_engine_counts_states_kept_restored_and_evicted(observed):
 
 @pytest.mark.parametrize("expr", dashboard_queries("recurrent"))
 def test_every_recurrent_state_panel_query_returns_data(observed, expr):
-    _, prom = observed
-    result = query_with_data(prom, expr)
-    assert result, f"no data for {expr}"
-    assert any(not math.isnan(float(r["value"][1])) for r in result), f"only NaN for {expr}"
+    assert_query_has_data(observed[1], expr)
 
 
 def test_the_states_held_gauge_reads_the_cache_as_it_is_when_scraped(observed):
