@@ -176,12 +176,15 @@ class KVCacheManager:
         last token (a prompt seen again starts there at most: its last token is always computed); and
         the last boundary the pass reaches (the request goes on from there). The workers copy each out
         where the pass's scan passes it."""
-        if self.recurrent_states is None:
-            return
         block_size = self.block_size
+        reached = end // block_size * block_size
+        # (A position kept is a boundary in (start, end]: when the last one up to ``end`` is not past
+        # ``start``, there is none; a decode between block ends, most passes.)
+        if self.recurrent_states is None or reached <= start:
+            return
         junction = self.state_junctions.get(request.request_id, 0)
         last = (request.num_tokens - 1) // block_size * block_size
-        positions = {p for p in (junction, last, end // block_size * block_size) if start < p <= end}
+        positions = {p for p in (junction, last, reached) if start < p <= end}
         for position in sorted(positions):
             self._plan_state_save(request, position)
 

@@ -73,10 +73,6 @@ class RecurrentStateCache:
                 return n
         return 0
 
-    def __contains__(self, block_hash: BlockHash) -> bool:
-        """Whether a state is kept (or planned this pass) at the end of the block ``block_hash``."""
-        return block_hash in self._slot_of
-
     def plan_restore(self, request_id: str, block_hash: BlockHash) -> None:
         """The request starts after the block ``block_hash`` (longest_hit found it): its row is
         restored from that block's state before this pass's forward."""

@@ -334,14 +334,14 @@ def mamba_step_metadata(rows: np.ndarray, query_start_loc: np.ndarray, device: t
     prefills: list[tuple[int, int, int]] = []
     kept_after: dict[int, int] = {}
     for i in np.flatnonzero(lens > 1).tolist():
-        first, end, row = int(query_start_loc[i]), int(query_start_loc[i + 1]), int(rows[i])
-        start = first
+        chunk_start, end, row = int(query_start_loc[i]), int(query_start_loc[i + 1]), int(rows[i])
+        start = chunk_start
         for offset, slot in (kept_within or {}).get(i, ()):
-            if not start < first + offset < end:
-                raise ValueError(f"a state kept {offset} tokens into a chunk of {end - first} (request {i}): "
+            if not start < chunk_start + offset < end:
+                raise ValueError(f"a state kept {offset} tokens into a chunk of {end - chunk_start} (request {i}): "
                                  "the kept positions must lie inside the chunk, ascending")
             kept_after[len(prefills)] = slot
-            prefills.append((start, first + offset, row))
-            start = first + offset
+            prefills.append((start, chunk_start + offset, row))
+            start = chunk_start + offset
         prefills.append((start, end, row))
     return MambaStepMetadata(tokens, decode_rows, prefills, span, kept_after)
