@@ -14,8 +14,13 @@ since model-free drafting only pays when the answer repeats what was seen:
           drafts from the answers it keeps
 For each: output tokens/s, the ratio to plain, engine passes, the draft acceptance rate and mean
 tokens per verified draft; the greedy answers must be identical in all three (checked).
+``--granite-hybrid``: the same on a model with recurrent layers, the random Granite 4.0-H of
+SmolLM2-135M's widths of bench_recurrent_prefix_cache.py (Mamba-2 layers, one attention layer in
+six), whose verifying passes take each request's tokens one at a time through the recurrent layers
+and keep the state before each draft; its answers are a random model's, so only the essays (nothing
+to copy) and their second asking (suffix decoding's own answers to draft from) are run.
 Usage: python benchmarks/bench_spec_decode.py [--num-prompts 8] [--max-tokens 96] [--max-num-seqs 8]
-       [--draft-layers 10]
+       [--draft-layers 10] [--granite-hybrid]
 """
 
 from __future__ import annotations
@@ -159,6 +164,8 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=8, help="Batch size cap (1: one request at a time).")
     parser.add_argument("--draft-layers", type=int, default=0,
                         help="Also a draft model of SmolLM2's first N of its 30 layers (0: none).")
+    parser.add_argument("--granite-hybrid", action="store_true",
+                        help="A random Granite 4.0-H of SmolLM2's widths (recurrent layers) instead of SmolLM2.")
     args = parser.parse_args()
     from gpu_worker.model_resolver import load_tokenizer, resolve_model
 
@@ -172,17 +179,29 @@ def main() -> None:
                ("suffix k=8", {"method": "suffix", "num_speculative_tokens": 8}),
                ("suffix k=24", {"method": "suffix"})]
     scratch = tempfile.TemporaryDirectory()
+    flags: dict = {}
+    workloads = ("edit", "essay", "json", "again")
+    if args.granite_hybrid:
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_recurrent_prefix_cache import build_model
+
+        flags = {"model": str(build_model(Path(scratch.name), 12)), "dtype": "float32", "max_model_len": 2048}
+        workloads = ("essay", "again")
+        print("model: a random Granite 4.0-H of SmolLM2-135M's widths, 12 layers (10 Mamba-2, 2 attention)")
     if args.draft_layers:
         draft = layer_skip_draft(model_dir, args.draft_layers, Path(scratch.name))
         configs.append((f"draft L{args.draft_layers} k=3", {"model": str(draft), "num_speculative_tokens": 3}))
     print(f"{args.num_prompts} prompts x {args.max_tokens} tokens, greedy, max_num_seqs={args.max_num_seqs}")
     print(f"{'workload':8} {'mode':14} {'tok/s':>8} {'vs plain':>9} {'passes':>7} {'accepted':>9} {'tok/draft':>10}")
-    for kind in ("edit", "essay", "json", "again"):
+    for kind in workloads:
         prompts = make_prompts(tokenizer, "essay" if kind == "again" else kind, args.num_prompts)
         base = None
         for name, spec in configs:
             r = measure(prompts, args.max_tokens, args.max_num_seqs, spec,
-                        {"json": RECORD_SCHEMA} if kind == "json" else None, asked_before=kind == "again")
+                        {"json": RECORD_SCHEMA} if kind == "json" else None, asked_before=kind == "again", **flags)
             if base is None:
                 base = r
             same = r["answers"] == base["answers"]

@@ -79,6 +79,10 @@ class DraftModel:
             name = config.architecture
             if config.encoder_only or config.embedding_only:
                 raise ValueError(f"the draft model ({name}) must be a decoder with an LM head")
+            if config.mamba is not None:  # (its proposals would advance its states past rejected tokens)
+                raise ValueError(f"the draft model ({name}) has recurrent layers, whose per-request states a "
+                                 "draft model's proposals are not rolled back from: choose one of attention "
+                                 "layers alone, or n-gram speculative decoding")
             self.target_vocab_size = target.config.vocab_size
             if config.vocab_size > target.config.vocab_size:
                 raise ValueError(f"the draft model's vocabulary ({config.vocab_size} tokens) is larger than the "

@@ -129,15 +129,13 @@ ALLOW_LONG_MAX_MODEL_LEN_ENV = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
 def _mamba_refusal(config: EngineConfig, model_config: ModelConfig) -> str | None:
     """What an engine cannot do for a model with recurrent layers (Mamba, Mamba-2, Gated DeltaNet, Kimi
     Delta Attention, lightning attention, short convolutions; None: nothing it asks for). Each
-    request's state there covers exactly the tokens computed so far: draft tokens would advance it past
-    rejected ones, and another engine's KV or the host tier's would come without it."""
+    request's state there covers exactly the tokens computed so far: another engine's KV or the host
+    tier's would come without it. (Speculative decoding keeps the state after each draft it verifies:
+    gpu_worker.model_runner.)"""
     try:
         model_config.mamba.per_rank(config.tensor_parallel_size)
     except ValueError as e:
         return str(e)
-    if config.speculative_config is not None:
-        return ("speculative decoding would advance their per-request state past rejected drafts: drop "
-                "--speculative-config")
     if config.kv_transfer_config is not None:
         return ("prefill/decode disaggregation hands on KV blocks, not their per-request state: drop "
                 "--kv-transfer-config")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -116,7 +116,8 @@ class ModelRunner:
         self.mamba_states: list[MambaState] = []
         # The states the prefix cache keeps at block ends (--mamba-cache-mode align), in slots the
         # scheduler names (engine_core/core/recurrent_state_cache.py): one MambaState of that many rows
-        # per mixer, beside the live ones.
+        # per mixer, beside the live ones; with speculative decoding num_spec_tokens more slots a live
+        # row after those (_draft_state_slot: a request's states after each draft a pass verifies).
         self.num_recurrent_state_slots = num_recurrent_state_slots
         self.kept_states: list[MambaState] = []
         self.block_size = 0
@@ -497,6 +498,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.requests.update(so)
+        if self.requests.rejected_drafts:
+            self._roll_back_rejected_drafts()
         if so.kv_offload_stores or so.kv_offload_loads:
             self.copy_offloaded_blocks(so)
         for identifier in so.free_encoder_mm_hashes:
@@ -530,8 +533,10 @@ class ModelRunner:
         num_drafts = (np.fromiter((len(spec.get(r, ())) for r in order), dtype=np.int64, count=len(order))
                       if spec else None)
         kept_within, kept_at_end = self._kept_state_positions(so.recurrent_state_saves, so.num_scheduled_tokens)
+        if spec and self.mamba_mixers:
+            self._keep_states_after_drafts(spec, so.num_scheduled_tokens, kept_within)
         self.copy_kept_states(so.recurrent_state_restores, restore=True)
-        hidden, sample_rows, last_rows = self._forward(states, num_sched, num_decodes, kept_within)
+        hidden, sample_rows, last_rows = self._forward(states, num_sched, num_decodes, kept_within, spec)
         self.copy_kept_states(kept_at_end, restore=False)
         if hidden is None:  # (a pipeline stage before the last: its hidden states went on to the next)
             return ModelRunnerOutput([], {}, [], None)
@@ -590,6 +595,8 @@ class ModelRunner:
             inputs, self._pass_inputs = self._pass_inputs, None
             draft_token_ids = self.drafter.after_pass(inputs, target_hidden, states, sample_rows,
                                                       self.requests.block_table) or None
+        if self.requests.rejected_drafts:  # (the rank that verified knows now; the others at the next update)
+            self._roll_back_rejected_drafts()
         return ModelRunnerOutput(req_ids=order, req_id_to_index={r: i for i, r in enumerate(order)},
                                  sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                                  pooler_output=pooler_output, draft_token_ids=draft_token_ids)
@@ -805,6 +812,8 @@ class ModelRunner:
             # The drafts computed but rejected are not in the cache: the next pass recomputes from here.
             num_rejected = len(draft) - (len(toks) - 1)
             state.num_computed_tokens -= num_rejected
+            if num_rejected:  # (its recurrent states too, after this pass: _roll_back_rejected_drafts)
+                self.requests.rejected_drafts[state.table_row] = len(toks) - 1
             del state.token_ids[len(state.token_ids) - len(draft):]
             state.token_ids.extend(toks)
             state.num_draft_tokens = 0
@@ -840,14 +849,15 @@ class ModelRunner:
         return entries
 
     def _forward(self, states: list[RequestState], num_sched: np.ndarray, num_decodes: int,
-                 kept_within: dict[str, list[tuple[int, int]]] | None = None
-                 ) -> tuple[torch.Tensor | None, list[int], np.ndarray]:
+                 kept_within: dict[str, list[tuple[int, int]]] | None = None,
+                 verifying: Collection[str] = ()) -> tuple[torch.Tensor | None, list[int], np.ndarray]:
         """Run the model over this pass's tokens: every row's final hidden state, the indexes of the
         requests whose chunk reaches the end of what they know (they sample, or are embedded), and
         each request's last row. Under pipeline parallelism this stage's layers run on what the
         previous stage sent, and a stage before the last sends its output on and returns no hidden
-        states. ``kept_within``: recurrent states the prefix cache keeps part-way through a request's
-        chunk (_kept_state_positions)."""
+        states. ``kept_within``: recurrent states kept part-way through a request's chunk
+        (_kept_state_positions, _keep_states_after_drafts); ``verifying``: the requests verifying
+        drafts (their recurrent layers take them a token at a time)."""
         if self.config.encoder_only:
             return self._forward_encoder(states, num_sched)
         block_size = self.block_size
@@ -884,7 +894,8 @@ class ModelRunner:
         if self.mamba_mixers:
             within = ({i: kept_within[s.req_id] for i, s in enumerate(states) if s.req_id in kept_within}
                       if kept_within else None)
-            meta.mamba = self.mamba_step(rows, starts, query_start_loc, within)
+            stepped = {i for i, s in enumerate(states) if s.req_id in verifying} if verifying else ()
+            meta.mamba = self.mamba_step(rows, starts, query_start_loc, within, stepped)
 
         # A request samples once its chunk reaches the end of everything it knows (prompt done).
         total_known = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=num_reqs)
@@ -1064,31 +1075,70 @@ class ModelRunner:
         self.mamba_states = [self._new_mamba_state(mixer, rows) for mixer in self.mamba_mixers]
         for mixer, state in zip(self.mamba_mixers, self.mamba_states, strict=True):
             mixer.state = state
-        slots = self.num_recurrent_state_slots
+        slots = self.num_recurrent_state_slots + rows * self.num_spec_tokens
         self.kept_states = [self._new_mamba_state(mixer, slots) for mixer in self.mamba_mixers] if slots else []
         for live, kept in zip(self.mamba_states, self.kept_states, strict=bool(slots)):
             live.kept = kept  # (the mixers copy states kept part-way through a chunk into these)
 
     def mamba_step(self, rows: np.ndarray, starts: np.ndarray, query_start_loc: np.ndarray,
-                   kept_within: dict[int, list[tuple[int, int]]] | None = None):
+                   kept_within: dict[int, list[tuple[int, int]]] | None = None, token_by_token: Collection[int] = ()):
         """The pass's recurrent-layer metadata; the state rows of requests starting at token 0 (new, or
         recomputed after preemption) zeroed first. A request's row is its row of the block table,
         which stays its own while it is held (more rows than max_num_seqs: the states grow).
-        ``kept_within``: request index -> states kept part-way through its chunk (mamba_step_metadata)."""
+        ``kept_within``: request index -> states kept part-way through its chunk; ``token_by_token``:
+        the requests verifying drafts (mamba_step_metadata)."""
         self._grow_mamba_states(int(rows.max()) + 1)
         fresh = rows[starts == 0]
         if len(fresh):
             index = torch.from_numpy(np.ascontiguousarray(fresh, dtype=np.int64)).to(self.device)
             for state in self.mamba_states:
                 state.zero_rows(index)
-        return mamba_step_metadata(rows, query_start_loc, self.device, kept_within)
+        return mamba_step_metadata(rows, query_start_loc, self.device, kept_within, token_by_token)
 
     def _grow_mamba_states(self, needed: int) -> None:
         capacity = self.mamba_states[0].ssm.shape[0]
         if needed > capacity:
-            for state in self.mamba_states:
-                state.conv = torch.cat((state.conv, state.conv.new_zeros((needed - capacity, *state.conv.shape[1:]))))
-                state.ssm = torch.cat((state.ssm, state.ssm.new_zeros((needed - capacity, *state.ssm.shape[1:]))))
+            more = [(state, needed - capacity) for state in self.mamba_states]
+            if self.num_spec_tokens:  # (and the new rows' slots after drafts, at the kept slots' end)
+                more += [(kept, (needed - capacity) * self.num_spec_tokens) for kept in self.kept_states]
+            for state, rows in more:
+                state.conv = torch.cat((state.conv, state.conv.new_zeros((rows, *state.conv.shape[1:]))))
+                state.ssm = torch.cat((state.ssm, state.ssm.new_zeros((rows, *state.ssm.shape[1:]))))
+
+    def _draft_state_slot(self, row: int, accepted: int) -> int:
+        """The kept-state slot holding the state of live row ``row`` after its pass's certain tokens and
+        ``accepted`` of its drafts (0 <= accepted < num_spec_tokens; all of them: the live row itself)."""
+        return self.num_recurrent_state_slots + row * self.num_spec_tokens + accepted
+
+    def _keep_states_after_drafts(self, drafts: dict[str, list[int]], num_scheduled_tokens: dict[str, int],
+                                  kept_within: dict[str, list[tuple[int, int]]]) -> None:
+        """Speculative decoding on recurrent layers: a request's state before each of its drafts is
+        kept (added to ``kept_within``, req_id -> [(tokens into the chunk, slot)]; its recurrent layers
+        take the pass's tokens one at a time, mamba_step_metadata), so that a pass rejecting drafts puts
+        the request back to the state after the ones it accepted (_roll_back_rejected_drafts)."""
+        for req_id, draft in drafts.items():
+            if not draft:
+                continue
+            certain = num_scheduled_tokens[req_id] - len(draft)  # (the tokens before the drafts)
+            row = self.requests[req_id].table_row
+            kept = kept_within.get(req_id, [])
+            kept += [(certain + j, self._draft_state_slot(row, j)) for j in range(len(draft))]
+            kept_within[req_id] = sorted(kept)
+
+    def _roll_back_rejected_drafts(self) -> None:
+        """Requests whose pass rejected drafts (RequestStates.rejected_drafts: table row -> drafts
+        accepted; the rank that verified them knows at the pass's end, every other rank and stage from
+        the next pass's scheduled tokens): each one's recurrent states put back to those after the
+        drafts it accepted."""
+        rejected, self.requests.rejected_drafts = self.requests.rejected_drafts, {}
+        if not self.mamba_mixers:  # (a pipeline stage of attention layers alone: its KV is overwritten)
+            return
+        rows = torch.tensor(list(rejected), dtype=torch.int64, device=self.device)
+        slots = torch.tensor([self._draft_state_slot(row, n) for row, n in rejected.items()], dtype=torch.int64,
+                             device=self.device)
+        for live, kept in zip(self.mamba_states, self.kept_states, strict=True):
+            live.conv.index_copy_(0, rows, kept.conv.index_select(0, slots))
+            live.ssm.index_copy_(0, rows, kept.ssm.index_select(0, slots))
 
     def _kept_state_positions(self, saves: dict[str, list[tuple[int, int]]], num_scheduled_tokens: dict[str, int]
                               ) -> tuple[dict[str, list[tuple[int, int]]], dict[str, int]]:
@@ -1100,7 +1150,7 @@ class ModelRunner:
         at_end: dict[str, int] = {}
         if not saves or not self.mamba_mixers:  # (a pipeline stage of attention layers alone keeps none)
             return within, at_end
-        if not self.kept_states:  # (the scheduler and the workers count the same slots: never a silent miss)
+        if not self.num_recurrent_state_slots:  # (the scheduler and the workers count the same slots)
             raise RuntimeError(f"the scheduler asks for {len(saves)} requests' recurrent states kept, and this "
                                "worker keeps no recurrent states")
         for req_id, kept in saves.items():
@@ -1122,7 +1172,7 @@ class ModelRunner:
         (the saves at the end of its chunk, after the forward: _kept_state_positions)."""
         if not copies or not self.mamba_mixers:  # (a pipeline stage of attention layers alone keeps none)
             return
-        if not self.kept_states:  # (the scheduler and the workers count the same slots: never a silent miss)
+        if not self.num_recurrent_state_slots:  # (the scheduler and the workers count the same slots)
             raise RuntimeError(f"the scheduler asks for {len(copies)} recurrent-state copies, and this worker keeps "
                                "no recurrent states")
         rows = torch.tensor([self.requests[r].table_row for r in copies], dtype=torch.int64)

@@ -141,6 +141,9 @@ class RequestStates:
         self.embedding_ids: set[str] = set()
         # The block ids of every held request (a row each); parked requests hold none.
         self.block_table = BlockTable()
+        # Held requests whose last pass rejected some of its drafts, as this update says: table row ->
+        # the drafts accepted (the model runner puts their recurrent states back to after those).
+        self.rejected_drafts: dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self.states)
@@ -252,6 +255,9 @@ class RequestStates:
                                  f"{len(state.token_ids)} tokens are known")
             if state.num_draft_tokens:
                 # Drafts of the last pass: those before ``start`` were accepted; the rest are stale.
+                rejected = state.num_computed_tokens - start
+                if rejected > 0:
+                    self.rejected_drafts[state.table_row] = state.num_draft_tokens - rejected
                 del state.token_ids[start:]
                 state.num_draft_tokens = 0
             # The scheduler's tokens are authoritative (a sampled token we remembered is resent).

@@ -280,7 +280,9 @@ class Worker:
 
     def mamba_state_bytes(self) -> int:
         """The recurrent layers' states on this rank (its pipeline stage's layers'): a row for each of
-        max_num_seqs requests, and one for each state the prefix cache keeps (--mamba-cache-mode align)."""
+        max_num_seqs requests, one for each state the prefix cache keeps (--mamba-cache-mode align), and
+        with speculative decoding num_spec_tokens more a request (its states after each draft a pass
+        verifies: the state a rejection leaves the request at)."""
         config = self.model_config
         if config.mamba is None:
             return 0
@@ -290,11 +292,13 @@ class Worker:
                                                     self.pipeline_parallel_size, self.pp_layer_partition)
             layers = layers[start:end]
         return (config.mamba.per_rank(self.world_size).state_bytes(*self.mamba_state_dtypes) * sum(layers)
-                * (self.max_num_seqs + self.num_recurrent_state_slots))
+                * (self.max_num_seqs * (1 + self.num_spec_tokens) + self.num_recurrent_state_slots))
 
     def _states_held(self) -> str:
         slots = self.num_recurrent_state_slots
-        return f"{self.max_num_seqs} requests" + (f" and {slots} kept for the prefix cache" if slots else "")
+        return (f"{self.max_num_seqs} requests" + (f" (and {self.num_spec_tokens} after drafts each)"
+                                                   if self.num_spec_tokens else "")
+                + (f" and {slots} kept for the prefix cache" if slots else ""))
 
     def _num_stage_attention_layers(self) -> int | None:
         """The layers of this rank's pipeline stage that keep a KV cache (None: one stage, all that do):

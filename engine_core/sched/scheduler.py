@@ -810,14 +810,18 @@ class Scheduler(SchedulerInterface):
         # num_computed_tokens advances now, for the tokens just scheduled: a second schedule()
         # without an update schedules the next chunks.
         num_scheduled_tokens = scheduler_output.num_scheduled_tokens
+        drafts = scheduler_output.scheduled_spec_decode_tokens
         for requests in scheduled:
             for request in requests:
                 start = request.num_computed_tokens
                 request.num_computed_tokens += num_scheduled_tokens[request.request_id]
                 if request.mm_features:
                     self._free_encoder_inputs(request)
-                if self.keeps_recurrent_states:  # (its states kept at block boundaries the pass crosses)
-                    self.kv_cache_manager.plan_state_saves(request, start, request.num_computed_tokens)
+                if self.keeps_recurrent_states:
+                    # Its states kept at block boundaries the pass crosses, before its drafts (a state
+                    # after a draft the pass may reject is no prefix's).
+                    end = request.num_computed_tokens - len(drafts.get(request.request_id, ()))
+                    self.kv_cache_manager.plan_state_saves(request, start, end)
         if self.keeps_recurrent_states:
             scheduler_output.recurrent_state_restores, scheduler_output.recurrent_state_saves = \
                 self.kv_cache_manager.take_state_copies()

@@ -14,7 +14,7 @@ arithmetic is in fp32, as the reference kernels accumulate; the SSM state is sto
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,6 +26,18 @@ from gpu_worker import distributed
 from gpu_worker.layers.linear import ColumnParallelLinear, RowParallelLinear, tp_rank_and_size
 from gpu_worker.layers.weight_utils import WeightLike, copy_into, load_sharded, materialize
 from gpu_worker.mamba_config import Mamba2Config
+
+
+@dataclass
+class TokenStep:
+    """One token of each of several requests that a pass takes token by token (rows verifying drafts),
+    as a decode batch: their token indices and state rows ([n] int64), then the rows whose states
+    after this token are kept and the kept-state slots (MambaState.kept) they go to (None: none)."""
+
+    tokens: torch.Tensor
+    rows: torch.Tensor
+    kept_rows: torch.Tensor | None = None
+    kept_slots: torch.Tensor | None = None
 
 
 @dataclass
@@ -41,9 +53,12 @@ class MambaStepMetadata:
     # (first, end) where the decodes' rows are consecutive and ascending (a steady batch's usual
     # case): their states are then a slice of each layer's, updated where they lie.
     decode_row_span: tuple[int, int] | None = None
-    # Index into ``prefills`` -> the kept-state slot (MambaState.kept) its row's state after that
-    # piece is copied into.
-    kept_after: dict[int, int] = field(default_factory=dict)
+    # Index into ``prefills`` -> the kept-state slots (MambaState.kept) its row's state after that
+    # piece is copied into (a prefix-cache slot, a verified draft's slot, or both).
+    kept_after: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    # The requests verifying drafts (speculative decoding), token by token: step j takes the j-th token
+    # of each that has one, as a decode batch, so their states after each draft are there to keep.
+    token_steps: list[TokenStep] = field(default_factory=list)
 
 
 @dataclass
@@ -94,14 +109,22 @@ def run_recurrence(state: MambaState, step: MambaStepMetadata, out: torch.Tensor
                    prefill: PrefillScan) -> torch.Tensor:
     """A recurrent mixer's pass (Mamba-2's, Mamba-1's, the delta rule's, lightning attention's): the
     one-token requests through ``decode`` as one batch, their states read and stored back by row
-    (updated where they lie when their rows are consecutive), then each longer chunk through
-    ``prefill`` from its row's state (copied into a kept slot after a piece step.kept_after names);
-    each request's outputs written into ``out`` at its tokens."""
+    (updated where they lie when their rows are consecutive); the requests verifying drafts through
+    ``decode`` a token at a time (step.token_steps: their states after a step copied into the kept
+    slots it names); then each longer chunk through ``prefill`` from its row's state (copied into a
+    kept slot after a piece step.kept_after names); each request's outputs written into ``out`` at
+    its tokens."""
     if step.decode_tokens is not None:
         rows, tokens = step.decode_rows, step.decode_tokens
         outputs, states = decode(tokens, state.gather_ssm(rows, step.decode_row_span))
         state.scatter_ssm(rows, states)
         out.index_copy_(0, tokens, outputs)
+    for token_step in step.token_steps:
+        outputs, states = decode(token_step.tokens, state.gather_ssm(token_step.rows))
+        state.scatter_ssm(token_step.rows, states)
+        out.index_copy_(0, token_step.tokens, outputs)
+        if token_step.kept_rows is not None:
+            state.kept.ssm.index_copy_(0, token_step.kept_slots, state.ssm.index_select(0, token_step.kept_rows))
     carried: tuple[int, torch.Tensor] | None = None  # (a piece's row, its fp32 state after it)
     for i, (start, end, row) in enumerate(step.prefills):
         # (A chunk's next piece goes on from the state the last left, unrounded to the storage dtype.)
@@ -109,8 +132,8 @@ def run_recurrence(state: MambaState, step: MambaStepMetadata, out: torch.Tensor
         out[start:end], final = prefill(slice(start, end), initial)
         state.ssm[row] = final
         carried = (row, final)
-        if i in step.kept_after:
-            state.kept.ssm[step.kept_after[i]] = state.ssm[row]
+        for slot in step.kept_after.get(i, ()):
+            state.kept.ssm[slot] = state.ssm[row]
     return out
 
 
@@ -290,26 +313,33 @@ class MambaMixer2(nn.Module):
 def causal_conv(state: MambaState, conv1d: DepthwiseConv, x: torch.Tensor, step: MambaStepMetadata) -> torch.Tensor:
     """The causal depthwise convolution of every request's new inputs ``x`` [T, channels] over its
     last ``kernel - 1`` inputs (its row of ``state.conv``, updated in place to end with these, in
-    its own dtype; copied into a kept slot after a piece step.kept_after names): [T, channels] in
-    fp32, the bias added (no activation)."""
+    its own dtype; copied into a kept slot after a piece step.kept_after names, or after a token of
+    step.token_steps): [T, channels] in fp32, the bias added (no activation)."""
     conv_state = state.conv
     out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     kernel = conv1d.weight.shape[1]
     weight = conv1d.weight.float()
-    if step.decode_tokens is not None:
-        rows, tokens = step.decode_rows, step.decode_tokens
+
+    def one_token_each(tokens: torch.Tensor, rows: torch.Tensor) -> None:
         window = torch.cat((conv_state.index_select(0, rows).to(x.dtype), x.index_select(0, tokens)[:, :, None]),
                            dim=2)
         conv_state.index_copy_(0, rows, window[:, :, 1:].to(conv_state.dtype))
         out.index_copy_(0, tokens, (window.float() * weight).sum(-1))
+
+    if step.decode_tokens is not None:
+        one_token_each(step.decode_tokens, step.decode_rows)
+    for token_step in step.token_steps:
+        one_token_each(token_step.tokens, token_step.rows)
+        if token_step.kept_rows is not None:
+            state.kept.conv.index_copy_(0, token_step.kept_slots, conv_state.index_select(0, token_step.kept_rows))
     carried: tuple[int, torch.Tensor] | None = None  # (a piece's row, its last inputs in x's dtype)
     for i, (start, end, row) in enumerate(step.prefills):
         before = carried[1] if carried is not None and carried[0] == row else conv_state[row].to(x.dtype)
         window = torch.cat((before, x[start:end].t()), dim=1)
         conv_state[row] = window[:, -(kernel - 1):]
         carried = (row, window[:, -(kernel - 1):])
-        if i in step.kept_after:
-            state.kept.conv[step.kept_after[i]] = conv_state[row]
+        for slot in step.kept_after.get(i, ()):
+            state.kept.conv[slot] = conv_state[row]
         out[start:end] = F.conv1d(window[None].float(), weight[:, None, :], groups=weight.shape[0])[0].t()
     if conv1d.bias is not None:
         out += conv1d.bias.float()
@@ -317,11 +347,14 @@ def causal_conv(state: MambaState, conv1d: DepthwiseConv, x: torch.Tensor, step:
 
 
 def mamba_step_metadata(rows: np.ndarray, query_start_loc: np.ndarray, device: torch.device,
-                        kept_within: dict[int, list[tuple[int, int]]] | None = None) -> MambaStepMetadata:
+                        kept_within: dict[int, list[tuple[int, int]]] | None = None,
+                        token_by_token: Collection[int] = ()) -> MambaStepMetadata:
     """A pass's requests (``rows``: each one's state row; ``query_start_loc``: [num_reqs + 1]) as the
-    mixers take them: the one-token requests batched, every longer chunk on its own. ``kept_within``:
-    request index -> [(tokens into its chunk, kept-state slot)], ascending, each inside the chunk: its
-    state there is kept (the chunk is scanned in pieces that end there)."""
+    mixers take them: the one-token requests batched, the longer ones ``token_by_token`` names
+    (request indexes: those verifying drafts) a token at a time beside each other, every other longer
+    chunk on its own. ``kept_within``: request index -> [(tokens into its chunk, kept-state slot)],
+    ascending (one position may name several slots), each inside the chunk: its state there is kept
+    (a chunk is then scanned in pieces that end there)."""
     lens = np.diff(query_start_loc)
     single = np.flatnonzero(lens == 1)
     tokens = decode_rows = span = None
@@ -331,17 +364,59 @@ def mamba_step_metadata(rows: np.ndarray, query_start_loc: np.ndarray, device: t
         first = int(rows[single[0]])
         if np.array_equal(rows[single], np.arange(first, first + len(single))):
             span = (first, first + len(single))
+    kept_within = kept_within or {}
+    stepped = [i for i in np.flatnonzero(lens > 1).tolist() if i in token_by_token]
     prefills: list[tuple[int, int, int]] = []
-    kept_after: dict[int, int] = {}
+    kept_after: dict[int, tuple[int, ...]] = {}
     for i in np.flatnonzero(lens > 1).tolist():
+        if i in token_by_token:
+            continue
         chunk_start, end, row = int(query_start_loc[i]), int(query_start_loc[i + 1]), int(rows[i])
         start = chunk_start
-        for offset, slot in (kept_within or {}).get(i, ()):
-            if not start < chunk_start + offset < end:
-                raise ValueError(f"a state kept {offset} tokens into a chunk of {end - chunk_start} (request {i}): "
-                                 "the kept positions must lie inside the chunk, ascending")
-            kept_after[len(prefills)] = slot
+        for offset, slot in kept_within.get(i, ()):
+            if chunk_start < start == chunk_start + offset:
+                kept_after[len(prefills) - 1] += (slot,)  # (another slot for the state the last piece ended at)
+                continue
+            _check_kept_offset(i, chunk_start, start, offset, end)
+            kept_after[len(prefills)] = (slot,)
             prefills.append((start, chunk_start + offset, row))
             start = chunk_start + offset
         prefills.append((start, end, row))
-    return MambaStepMetadata(tokens, decode_rows, prefills, span, kept_after)
+    return MambaStepMetadata(tokens, decode_rows, prefills, span, kept_after,
+                             _token_steps(stepped, rows, query_start_loc, kept_within, device))
+
+
+def _check_kept_offset(request: int, chunk_start: int, last: int, offset: int, end: int) -> None:
+    if not last < chunk_start + offset < end:
+        raise ValueError(f"a state kept {offset} tokens into a chunk of {end - chunk_start} (request {request}): "
+                         "the kept positions must lie inside the chunk, ascending")
+
+
+def _token_steps(requests: list[int], rows: np.ndarray, query_start_loc: np.ndarray,
+                 kept_within: dict[int, list[tuple[int, int]]], device: torch.device) -> list[TokenStep]:
+    """The requests ``requests`` (indexes) taken token by token: step j holds the j-th token of each
+    that has one, and the states kept after it (kept_within's offset j + 1)."""
+    if not requests:
+        return []
+    lens = np.diff(query_start_loc)
+    kept: list[list[tuple[int, int]]] = [[] for _ in range(int(lens[requests].max()))]  # per step: (row, slot)
+    for i in requests:
+        chunk_start, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
+        last = chunk_start
+        for offset, slot in kept_within.get(i, ()):
+            if not chunk_start < last == chunk_start + offset:  # (else a position named again: another slot)
+                _check_kept_offset(i, chunk_start, last, offset, end)
+                last = chunk_start + offset
+            kept[offset - 1].append((int(rows[i]), slot))
+
+    def tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    steps = []
+    for j, after in enumerate(kept):
+        present = [i for i in requests if lens[i] > j]
+        steps.append(TokenStep(tensor([int(query_start_loc[i]) + j for i in present]),
+                               tensor([int(rows[i]) for i in present]),
+                               tensor([row for row, _ in after]) if after else None,
+                               tensor([slot for _, slot in after]) if after else None))
+    return steps

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cluster import SamplingParams
-from tests.cluster.test_spec_decode import run
+from tests.cluster.test_spec_decode import NGRAM, run
 from tests.gpu_worker.utils import hf_greedy, load_hf, save_tiny_model
 from tests.tiny_model import build_tokenizer
 
@@ -144,7 +144,7 @@ RECURRENT_KINDS = ["granitemoehybrid", "bamba", "nemotron_h", "nemotron_h_moe", 
 
 
 @pytest.mark.parametrize("kind", RECURRENT_KINDS)
-def test_mamba_hybrids_recompute_what_a_prefix_cache_would_skip(tmp_path, kind):
+def test_mamba_hybrids_recompute_what_a_prefix_cache_would_skip_and_verify_drafts(tmp_path, kind):
     """Granite 4.0-H, Bamba and Nemotron-H (Mamba-2 layers beside attention), a pure Mamba-2 model, and
     Qwen3-Next and Qwen3.5 (Gated DeltaNet layers beside attention), LFM2 (short convolutions),
     Falcon-H1 (attention and Mamba-2 side by side in every layer), Mamba and Falcon-Mamba (Mamba-1
@@ -154,17 +154,28 @@ def test_mamba_hybrids_recompute_what_a_prefix_cache_would_skip(tmp_path, kind):
     engine turns prefix caching off, since a hit would skip tokens whose recurrent state it does not
     keep; greedy tokens equal transformers' through chunked prefill and preemption (a model without
     attention keeps no KV, yet its blocks still bound what runs at once), the repeated prompts computed
-    again."""
+    again. With n-gram speculative decoding: a pass verifying drafts keeps each request's state after
+    each draft, and one rejecting some puts the request back to the state after those it accepted, so
+    every token's log-probability is still transformers' (from the prompt and the tokens before it)."""
     path = _model(tmp_path, kind)
-    outputs, stats = run(path, PROMPTS + PROMPTS[:2], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+    prompts = PROMPTS + PROMPTS[:2]
+    outputs, stats = run(path, prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0),
                          dtype="float32", block_size=4, num_gpu_blocks=40, max_num_batched_tokens=16, max_num_seqs=8,
-                         max_model_len=128)
+                         max_model_len=128, speculative_config=NGRAM)
     hf = load_hf(path)
     with torch.no_grad():
-        expected = [hf_greedy(hf, prompt, 12) for prompt in PROMPTS + PROMPTS[:2]]
+        expected = [hf_greedy(hf, prompt, 12) for prompt in prompts]
+        worst = 0.0
+        for prompt, out in zip(prompts, outputs, strict=True):
+            sample = out.outputs[0]
+            scores = torch.log_softmax(hf(torch.tensor([prompt + sample.token_ids])).logits[0].float(), -1)
+            for i, (token, row) in enumerate(zip(sample.token_ids, sample.logprobs, strict=True)):
+                worst = max(worst, abs(row[token].logprob - scores[len(prompt) - 1 + i, token].item()))
     assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert worst < 1e-3, f"a token's logprob is {worst:.2e} off transformers'"
     assert stats.num_preemptions > 0, "the KV pool was meant to force preemption"
     assert stats.prefix_cache_hits == 0 and stats.num_free_blocks == stats.num_blocks
+    assert 0 < stats.spec_decode_num_accepted_tokens + 1 <= stats.spec_decode_num_draft_tokens, "drafts rejected"
 
 
 @pytest.mark.parametrize("kind", RECURRENT_KINDS)
@@ -206,6 +217,58 @@ def test_recurrent_models_start_prompts_from_the_states_the_prefix_cache_keeps(t
     assert stats.recurrent_states_saved == stats.recurrent_states_held > 0 and stats.recurrent_states_evicted == 0
 
 
+@pytest.mark.parametrize("kind", ["granitemoehybrid", "qwen3_next"])
+def test_drafts_verified_beside_the_states_the_prefix_cache_keeps(tmp_path, kind):
+    """--mamba-cache-mode align with n-gram speculative decoding (Mamba-2 and Gated DeltaNet layers):
+    states are kept only at boundaries a pass's certain tokens reach (a state after a draft the pass
+    may reject is no prefix's), so a prompt seen again still starts after its last full block, and a
+    conversation's next turn from a state its answer's decodes kept; every token and logprob stays
+    transformers'."""
+    from cluster import LLM
+
+    path = _model(tmp_path, kind)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+    llm = LLM(model=str(path), dtype="float32", block_size=4, num_gpu_blocks=40, max_num_batched_tokens=16,
+              max_num_seqs=8, max_model_len=128, mamba_cache_mode="align", mamba_prefix_cache_slots=64,
+              speculative_config=NGRAM)
+    try:
+        batch = llm.generate(PROMPTS, params, use_tqdm=False)
+        again = llm.generate([PROMPTS[4]], params, use_tqdm=False)[0]
+        turn = PROMPTS[2] + batch[2].outputs[0].token_ids + [9, 8, 7]
+        next_turn = llm.generate([turn], params, use_tqdm=False)[0]
+        stats = llm.get_stats()[0]
+    finally:
+        llm.shutdown()
+    hf = load_hf(path)
+    with torch.no_grad():
+        for prompt, out in zip([*PROMPTS, PROMPTS[4], turn], [*batch, again, next_turn], strict=True):
+            sample = out.outputs[0]
+            assert sample.token_ids == hf_greedy(hf, prompt, 12)
+            scores = torch.log_softmax(hf(torch.tensor([prompt + sample.token_ids])).logits[0].float(), -1)
+            for i, (token, row) in enumerate(zip(sample.token_ids, sample.logprobs, strict=True)):
+                assert abs(row[token].logprob - scores[len(prompt) - 1 + i, token].item()) < 1e-3
+    assert again.num_cached_tokens == 20
+    # (45 prompt tokens and 11 computed answer tokens: a state at most at 56, kept by a decode past the prompt)
+    assert 44 < next_turn.num_cached_tokens <= 56
+    assert 0 < stats.spec_decode_num_accepted_tokens + 1 <= stats.spec_decode_num_draft_tokens, "drafts rejected"
+    assert stats.recurrent_states_restored >= 2 and stats.num_free_blocks == stats.num_blocks
+
+
+def test_a_draft_model_of_attention_layers_proposes_for_a_hybrid(tmp_path):
+    """A draft model (a tiny Llama of the same vocabulary) for Granite 4.0-H: it repeats the target's
+    passes over its own KV cache while the target keeps its states before each draft; the answers
+    are transformers'."""
+    path = _model(tmp_path, "granitemoehybrid")
+    draft = _model(tmp_path, "llama")
+    outputs, stats = run(path, PROMPTS, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                         dtype="float32", block_size=4, num_gpu_blocks=40, max_num_batched_tokens=16, max_num_seqs=8,
+                         max_model_len=128, speculative_config={"model": str(draft), "num_speculative_tokens": 3})
+    hf = load_hf(path)
+    with torch.no_grad():
+        assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, prompt, 12) for prompt in PROMPTS]
+    assert stats.spec_decode_num_draft_tokens > stats.spec_decode_num_accepted_tokens
+
+
 def test_a_hybrid_serves_adapters_and_keeps_each_adapters_recurrent_states_apart(tmp_path):
     """Granite 4.0-H with --enable-lora and --mamba-cache-mode align: a prompt under an adapter on its
     attention and Mamba-2 projections, again under it (from the state the first kept), then under the
@@ -236,7 +299,6 @@ def test_a_hybrid_serves_adapters_and_keeps_each_adapters_recurrent_states_apart
 
 
 @pytest.mark.parametrize("flags, refusal", [
-    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative decoding"),
     ({"kv_offloading_size": 0.01}, "KV offloading"),
     ({"kv_transfer_config": {"kv_role": "kv_both"}}, "prefill/decode disaggregation"),
 ])

@@ -337,5 +337,12 @@ def test_a_draft_model_must_suit_the_target(tiny_model_dir, tmp_path):
     (wider / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 64}))
     with pytest.raises(ValueError, match=r"the draft model's vocabulary .* is larger than the target's"):
         LLM(model=str(tiny_model_dir), num_gpu_blocks=16, max_model_len=128, speculative_config=_draft(wider))
+    from tests.gpu_worker.utils import save_tiny_model
+    from tests.tiny_model import build_tokenizer
+
+    hybrid = save_tiny_model(tmp_path / "hybrid", "granitemoehybrid")
+    build_tokenizer().save_pretrained(hybrid)
+    with pytest.raises(ValueError, match=r"the draft model \(GraniteMoeHybridForCausalLM\) has recurrent layers"):
+        LLM(model=str(tiny_model_dir), num_gpu_blocks=16, max_model_len=128, speculative_config=_draft(hybrid))
     with pytest.raises(ValueError, match="takes no drafter"):
         LLM(model=str(tiny_model_dir), num_gpu_blocks=16, runner="pooling", speculative_config=_draft(tiny_model_dir))

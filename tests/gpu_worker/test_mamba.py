@@ -551,7 +551,8 @@ def test_a_released_falcon_h1_config_is_read():
 
 def test_a_chunk_whose_state_is_kept_part_way_is_scanned_in_pieces_that_end_there():
     """States kept 4 and 9 tokens into a 12-token chunk (the prefix cache's, inside the chunk): three
-    pieces of its row, the first two naming their kept slots; a decode's row stays batched. A position
+    pieces of its row, the first two naming their kept slots; a decode's row stays batched; a position
+    named twice (a prefix-cache slot and a verified draft's) is one piece kept in both. A position
     outside the chunk, at its end or out of order is refused (the end is copied after the forward)."""
     import numpy as np
 
@@ -559,12 +560,38 @@ def test_a_chunk_whose_state_is_kept_part_way_is_scanned_in_pieces_that_end_ther
 
     qsl = np.array([0, 1, 13])  # a decode, then a chunk of twelve tokens
     step = mamba_step_metadata(np.array([5, 2]), qsl, torch.device("cpu"), {1: [(4, 7), (9, 3)]})
-    assert step.prefills == [(1, 5, 2), (5, 10, 2), (10, 13, 2)] and step.kept_after == {0: 7, 1: 3}
+    assert step.prefills == [(1, 5, 2), (5, 10, 2), (10, 13, 2)] and step.kept_after == {0: (7,), 1: (3,)}
     assert step.decode_rows.tolist() == [5]
     assert mamba_step_metadata(np.array([5, 2]), qsl, torch.device("cpu")).kept_after == {}
-    for kept in ([(0, 1)], [(12, 1)], [(9, 1), (4, 2)], [(4, 1), (4, 2)]):
+    twice = mamba_step_metadata(np.array([5, 2]), qsl, torch.device("cpu"), {1: [(4, 7), (4, 0), (9, 3)]})
+    assert twice.prefills == step.prefills and twice.kept_after == {0: (7, 0), 1: (3,)}
+    for kept in ([(0, 1)], [(12, 1)], [(9, 1), (4, 2)], [(0, 1), (0, 2)]):
         with pytest.raises(ValueError, match="must lie inside the chunk, ascending"):
             mamba_step_metadata(np.array([5, 2]), qsl, torch.device("cpu"), {1: kept})
+
+
+def test_requests_verifying_drafts_are_taken_token_by_token_beside_each_other():
+    """Two requests verifying drafts (4 and 2 tokens) beside a decode and a prefill chunk: step j is
+    the j-th token of each that has one, as a decode batch, with the states kept after it (a
+    position named twice: both slots); the decode and the chunk go as before. A kept position at
+    the start, at the end or out of order is refused."""
+    import numpy as np
+
+    from gpu_worker.layers.mamba import mamba_step_metadata
+
+    qsl = np.array([0, 1, 5, 10, 12])  # a decode, a verifying request, a prefill chunk, a verifying request
+    rows = np.array([7, 2, 4, 9])
+    kept = {1: [(1, 20), (1, 5), (2, 21), (3, 22)], 3: [(1, 30)], 2: [(2, 40)]}
+    step = mamba_step_metadata(rows, qsl, torch.device("cpu"), kept, token_by_token={1, 3})
+    assert step.decode_rows.tolist() == [7] and step.prefills == [(5, 7, 4), (7, 10, 4)]
+    assert step.kept_after == {0: (40,)}
+    got = [(s.tokens.tolist(), s.rows.tolist(), None if s.kept_rows is None else s.kept_rows.tolist(),
+            None if s.kept_slots is None else s.kept_slots.tolist()) for s in step.token_steps]
+    assert got == [([1, 10], [2, 9], [2, 2, 9], [20, 5, 30]), ([2, 11], [2, 9], [2], [21]), ([3], [2], [2], [22]),
+                   ([4], [2], None, None)]
+    for bad in ([(0, 1)], [(4, 1)], [(2, 1), (1, 2)]):
+        with pytest.raises(ValueError, match="must lie inside the chunk, ascending"):
+            mamba_step_metadata(rows, qsl, torch.device("cpu"), {1: bad}, token_by_token={1, 3})
 
 
 def test_consecutive_decode_rows_are_updated_where_they_lie():
@@ -591,3 +618,77 @@ def test_consecutive_decode_rows_are_updated_where_they_lie():
     assert state.ssm[:, 0].tolist() == [0, 1, 2, 3, 41, 50, 61, 7]
     half = MambaState(torch.zeros(8, 0), torch.zeros(8, 2, dtype=torch.bfloat16))
     assert half.gather_ssm(spanned.decode_rows, spanned.decode_row_span).dtype == torch.float32  # (a copy)
+
+
+def test_a_pass_rejecting_drafts_puts_the_recurrent_states_back_to_after_the_accepted_ones(hybrid_model):
+    """Speculative decoding on recurrent layers through a runner: two requests (one prompt in chunks
+    beside the other's verifying passes), scripted drafts of three of which the first 0, 1, 2 or 3 are
+    the greedy tokens and the rest wrong. After every pass each request's states, in every recurrent
+    layer, are those a runner computing only its accepted tokens leaves; its tokens are transformers'.
+    A second runner fed the same passes whose logits are not its own (a TP rank other than 0, which
+    learns what was accepted from the next pass's scheduled tokens) holds the same states."""
+    import itertools
+
+    prompts = {"a": [(7 * j + 1) % 256 for j in range(17)], "b": [(5 * j + 3) % 256 for j in range(6)]}
+    max_tokens, k = 14, 3
+    hf = load_hf(hybrid_model)
+    truth = {rid: hf_greedy(hf, prompt, max_tokens + k) for rid, prompt in prompts.items()}
+    runner = make_runner(hybrid_model, num_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=12,
+                         num_spec_tokens=k)
+    follower = make_runner(hybrid_model, num_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=12,
+                           num_spec_tokens=k)
+    follower.model.compute_logits = lambda hidden: None  # (as on a TP rank other than 0)
+    reference = make_runner(hybrid_model, num_blocks=64, block_size=4, max_num_seqs=1, max_num_batched_tokens=64)
+    sched = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=12, max_num_seqs=2,
+                           prefix_caching=False, num_spec_tokens=k)
+    for rid, prompt in prompts.items():
+        sched.add_request(greedy_request(rid, prompt, max_tokens))
+    accepting = itertools.cycle([2, 0, 3, 1, 0])
+    tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
+    rejected_after: set[int] = set()  # the drafts accepted by passes that rejected some
+
+    def states(run, rid):
+        row = run.requests[rid].table_row
+        return [(state.conv[row].clone(), state.ssm[row].clone()) for state in run.mamba_states]
+
+    for step in itertools.count():
+        assert step < 60, "requests did not finish"
+        if not sched.has_unfinished_requests():
+            break
+        so = sched.schedule()
+        out = runner.execute_model(so)
+        follower.execute_model(so)
+        drafts = so.scheduled_spec_decode_tokens
+        for rid in so.num_scheduled_tokens:
+            computed = runner.requests[rid].num_computed_tokens
+            ref_id = f"{rid}@{computed}"
+            reference.execute_model(_prefill_only(reference, ref_id, runner.requests[rid].token_ids[:computed]))
+            for (conv, ssm), (ref_conv, ref_ssm) in zip(states(runner, rid), states(reference, ref_id), strict=True):
+                torch.testing.assert_close(ssm, ref_ssm, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(conv, ref_conv, atol=1e-5, rtol=1e-5)
+            sampled = out.sampled_token_ids[out.req_id_to_index[rid]]
+            if rid in drafts and len(sampled) - 1 < len(drafts[rid]):
+                rejected_after.add(len(sampled) - 1)  # (the follower puts them back next pass)
+            else:
+                for mine, theirs in zip(states(runner, rid), states(follower, rid), strict=True):
+                    torch.testing.assert_close(mine, theirs, atol=0, rtol=0)
+        for eco in sched.update_from_output(so, out).values():
+            for o in eco.outputs:
+                tokens[o.request_id].extend(o.new_token_ids)
+        scripted = {}
+        for request in sched.running:
+            done, right = len(tokens[request.request_id]), next(accepting)
+            ahead = truth[request.request_id][done:done + k]
+            scripted[request.request_id] = ahead[:right] + [(t + 1) % 256 for t in ahead[right:]]
+        sched.update_draft_token_ids(scripted)
+    assert tokens == {rid: truth[rid][:max_tokens] for rid in prompts}
+    assert rejected_after == {0, 1, 2}
+
+
+def _prefill_only(runner, req_id: str, token_ids: list[int]):
+    """A scheduler output computing ``token_ids`` as a new request's whole prompt in ``runner`` (its
+    states then cover exactly those tokens)."""
+    sched = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=64, max_num_seqs=1,
+                           prefix_caching=False)
+    sched.add_request(greedy_request(req_id, token_ids, 1))
+    return sched.schedule()
