@@ -72,7 +72,7 @@ SUFFIX_FIELDS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_r
 # The methods whose drafter is a checkpoint of its own (``model``): a draft model, an EAGLE head.
 DRAFT_CHECKPOINT_METHODS = ("draft_model", "eagle", "eagle3")
 # vLLM's older names of the mtp method, by model family.
-MTP_METHOD_ALIASES = ("deepseek_mtp", "glm4_moe_mtp")
+MTP_METHOD_ALIASES = ("deepseek_mtp", "glm4_moe_mtp", "qwen3_next_mtp")
 
 # The per-pass token budget when --max-num-batched-tokens is not given (vLLM's default for online serving).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -225,8 +225,9 @@ class SpeculativeConfig:
       greedily, one pass per token (gpu_worker.draft_model); it runs on the same workers and KV
       block table as the target, with a cache of its own;
     - ``mtp``: the model's own multi-token-prediction layer (DeepSeek-V3 / R1, GLM-4.5 and later,
-      whose checkpoints hold one), fed the target's last hidden states, proposes each draft token
-      greedily (gpu_worker.hidden_state_drafter); also on the target's workers, with a one-layer cache;
+      Qwen3-Next and Qwen3.5, whose checkpoints hold one), fed the target's last hidden states,
+      proposes each draft token greedily (gpu_worker.hidden_state_drafter); also on the target's
+      workers, with a one-layer cache;
     - ``eagle`` / ``eagle3``: an EAGLE or EAGLE-3 head trained for the target (``model``: its
       directory), fed the target's last hidden state (EAGLE) or three inner ones (EAGLE-3), drafting
       as the MTP layer does (gpu_worker.eagle_config, gpu_worker.models.eagle)."""

@@ -1371,6 +1371,8 @@ def _qwen3_next_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[
                                          split_projections=arch != "Qwen3NextForCausalLM",
                                          beta_scale=2.0 if cfg.get("linear_allow_neg_eigval") else 1.0),
             "mamba_layers": recurrent,
+            # (Qwen3-Next's and Qwen3.5's multi-token-prediction layers, under mtp.*: the mtp drafter's)
+            **({"num_mtp_layers": int(cfg.get("mtp_num_hidden_layers") or 0)} if arch in QWEN3_NEXT_FAMILY else {}),
             # (OLMo Hybrid's attention without positions where its RoPE base is null)
             **({"rope_layers": (False,) * num_layers} if cfg.get("olmo_hybrid_nope") else {})}
 
@@ -3179,7 +3181,8 @@ class ModelConfig:
     moe_topk_groups: int = 1
     routed_scaling_factor: float = 1.0
     # GLM-4.5's and DeepSeek-V3's multi-token-prediction layers (num_nextn_predict_layers), held in the
-    # checkpoint after the decoder's: speculative decoding's mtp drafter (gpu_worker.hidden_state_drafter).
+    # checkpoint after the decoder's (Qwen3-Next's and Qwen3.5's, mtp_num_hidden_layers, under mtp.*):
+    # speculative decoding's mtp drafter (gpu_worker.hidden_state_drafter).
     num_mtp_layers: int = 0
     # Speculative decoding's EAGLE / EAGLE-3 draft head (gpu_worker.eagle_config): its own settings,
     # where this config is such a head's; None for every served model.

@@ -1,6 +1,7 @@
 """A model's multi-token-prediction (MTP) layer, as speculative decoding's drafter (vLLM's ``mtp``
 method): DeepSeek-V3 / V3.1 / R1 and GLM-4.5 / 4.6 / 4.7 were trained with one, and their checkpoints
-hold it after the decoder's layers (``model.layers.{num_hidden_layers}.``).
+hold it after the decoder's layers (``model.layers.{num_hidden_layers}.``); Qwen3-Next's and Qwen3.5's
+hold theirs apart, under ``mtp.`` (Qwen3NextMTP: the same computation under other names).
 
 At position p it takes the token after p (its embedding, normed: ``enorm``) and the target's last
 hidden state at p (after the final norm, normed again: ``hnorm``), projects the two side by side back
@@ -25,12 +26,13 @@ from torch import nn
 from gpu_worker.attn_metadata import AttentionMetadata
 from gpu_worker.config import ModelConfig
 from gpu_worker.layers.attention import PagedAttention
-from gpu_worker.layers.layernorm import RMSNorm
+from gpu_worker.layers.layernorm import GemmaRMSNorm, RMSNorm
 from gpu_worker.layers.rotary import RotaryEmbedding
 from gpu_worker.layers.weight_utils import WeightLike
 from gpu_worker.models.deepseek import DeepseekDecoderLayer, DeepseekV2ForCausalLM, rotary_rows_in_halves
 from gpu_worker.models.deepseek_v32 import DeepseekV32DecoderLayer
 from gpu_worker.models.llama import Glm4MoeForCausalLM, LlamaDecoderLayer
+from gpu_worker.models.qwen3_next import Qwen3NextDecoderLayer, Qwen3NextForCausalLM
 
 # The MTP layer's tensors in the checkpoint that the target model's own stand for.
 _SHARED_WITH_TARGET = (".embed_tokens.", ".shared_head.head.")
@@ -49,6 +51,13 @@ class _MtpStack(nn.Module):
 class MtpForCausalLM(nn.Module):
     layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer
     packed_modules_mapping: dict[str, tuple[str, int | str]] = {}
+    # The kind of its three norms (enorm, hnorm, shared_head.norm).
+    norm_class: type[RMSNorm] = RMSNorm
+    # Whether the embedding at position 0 is zeroed (DeepSeek's and GLM's, as vLLM runs them), and
+    # whether the layer's output is normed before it goes on as the next draft's hidden state (else
+    # only before the LM head).
+    zeroes_first_position = True
+    normed_output_goes_on = False
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -59,11 +68,11 @@ class MtpForCausalLM(nn.Module):
         self.index = config.num_hidden_layers  # (the first MTP layer's number)
         layer = self.layer_class(config, self.index)
         width, eps = config.hidden_size, config.rms_norm_eps
-        layer.enorm = RMSNorm(width, eps)
-        layer.hnorm = RMSNorm(width, eps)
+        layer.enorm = self.norm_class(width, eps)
+        layer.hnorm = self.norm_class(width, eps)
         layer.eh_proj = nn.Linear(2 * width, width, bias=False).requires_grad_(False)
         layer.shared_head = nn.Module()
-        layer.shared_head.norm = RMSNorm(width, eps)
+        layer.shared_head.norm = self.norm_class(width, eps)
         self.model = _MtpStack(config, layer, self.index)
         # No head of its own: the checkpoint's copy is not read (``share_with``).
         self.lm_head = None
@@ -100,19 +109,22 @@ class MtpForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 inputs_embeds: torch.Tensor | None = None, intermediate: object = None,
                 previous_hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """The layer's output (before ``shared_head.norm``) at each position, from the token after
-        it (``input_ids``) and the target's (or this layer's own) hidden state there
-        (``previous_hidden``; None: zeros, as the memory profile runs it)."""
+        """The layer's output (before ``shared_head.norm``, unless normed_output_goes_on) at each
+        position, from the token after it (``input_ids``) and the target's (or this layer's own)
+        hidden state there (``previous_hidden``; None: zeros, as the memory profile runs it)."""
         if self._target is None:
             raise RuntimeError("share_with(target) must come before the MTP layer runs")
         layer = self.layer
         embeds = self._target[0].forward(input_ids) if inputs_embeds is None else inputs_embeds
-        embeds = embeds.masked_fill((positions == 0).unsqueeze(-1), 0.0)
+        if self.zeroes_first_position:
+            embeds = embeds.masked_fill((positions == 0).unsqueeze(-1), 0.0)
         if previous_hidden is None:
             previous_hidden = torch.zeros_like(embeds)
         hidden = layer.eh_proj.forward(torch.cat((layer.enorm.forward(embeds),
                                                   layer.hnorm.forward(previous_hidden)), dim=-1))
         hidden, residual = layer.forward(self.model.rotary_emb.cos_sin(positions), hidden, None, meta)
+        if self.normed_output_goes_on:
+            return layer.shared_head.norm.forward(hidden, residual)[0]
         return hidden + residual
 
     def combine_hidden_states(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -122,7 +134,7 @@ class MtpForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full-vocab logits of the token after next on TP rank 0, None on the other ranks."""
         assert self._target is not None
-        return self._target[1](self.layer.shared_head.norm.forward(hidden))
+        return self._target[1](hidden if self.normed_output_goes_on else self.layer.shared_head.norm.forward(hidden))
 
     def attention_layers(self) -> list[PagedAttention]:
         return [self.layer.self_attn.attn]
@@ -152,12 +164,47 @@ class DeepSeekV32MTPModel(DeepSeekMTPModel):
     layer_class = DeepseekV32DecoderLayer
 
 
+class Qwen3NextMTP(MtpForCausalLM):
+    """Qwen3-Next's and Qwen3.5's MTP layer (vLLM's Qwen3NextMTP / Qwen3_5MTP): one gated full-attention
+    layer of the model's kind, its MLP routed as the decoder's first layer's is, held under ``mtp.``:
+    ``pre_fc_norm_embedding`` and ``pre_fc_norm_hidden`` (our enorm and hnorm), ``fc`` (eh_proj),
+    ``layers.0`` and ``norm`` (shared_head.norm), all its norms Gemma's (1 + w). Position 0's embedding
+    is not zeroed, and its output goes on normed (the final norm belongs to the layer, not the head)."""
+
+    layer_class = Qwen3NextDecoderLayer
+    packed_modules_mapping = Qwen3NextForCausalLM.packed_modules_mapping
+    norm_class = GemmaRMSNorm
+    zeroes_first_position = False
+    normed_output_goes_on = True
+    _RENAMES = (("mtp.pre_fc_norm_embedding.", "enorm."), ("mtp.pre_fc_norm_hidden.", "hnorm."),
+                ("mtp.fc.", "eh_proj."), ("mtp.norm.", "shared_head.norm."), ("mtp.layers.0.", ""))
+
+    def reads_checkpoint_tensor(self, name: str) -> bool:
+        return name.startswith(("mtp.pre_fc_norm_", "mtp.fc.", "mtp.norm.", "mtp.layers.0."))
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
+        found = False
+        for name, tensor in weights:
+            for old, new in self._RENAMES:
+                if name.startswith(old):
+                    found = True
+                    yield f"model.layers.{self.index}.{new}{name[len(old):]}", tensor
+                    break
+        if not found:
+            raise ValueError(f"the checkpoint holds no multi-token-prediction layer (mtp.*), though its config names "
+                             f"{self.config.num_mtp_layers} (mtp_num_hidden_layers): speculative method mtp needs "
+                             "the checkpoint as released")
+
+
 # The architectures whose checkpoints may hold MTP layers -> their MTP drafter (named as vLLM's).
 MTP_DRAFTERS: dict[str, type[MtpForCausalLM]] = {
     "DeepseekV3ForCausalLM": DeepSeekMTPModel,
     "DeepseekV32ForCausalLM": DeepSeekV32MTPModel,
     "Glm4MoeLiteForCausalLM": DeepSeekMTPModel,  # (GLM-4.7-Flash: latent attention, as DeepSeek-V3's)
     "Glm4MoeForCausalLM": Glm4MoeMTPModel,
+    "Qwen3NextForCausalLM": Qwen3NextMTP,
+    "Qwen3_5ForCausalLM": Qwen3NextMTP,
+    "Qwen3_5MoeForCausalLM": Qwen3NextMTP,
 }
 
 
@@ -169,11 +216,18 @@ def mtp_config(target: ModelConfig) -> ModelConfig:
     name = target.architecture
     if name not in MTP_DRAFTERS or not target.num_mtp_layers:
         families = ("DeepSeek-V3 / R1 (DeepseekV3ForCausalLM), DeepSeek-V3.2 (DeepseekV32ForCausalLM), GLM-4.5 and "
-                    "later (Glm4MoeForCausalLM), GLM-4.7-Flash (Glm4MoeLiteForCausalLM)")
-        why = ("its config names no multi-token-prediction layer (num_nextn_predict_layers)"
+                    "later (Glm4MoeForCausalLM), GLM-4.7-Flash (Glm4MoeLiteForCausalLM), Qwen3-Next "
+                    "(Qwen3NextForCausalLM), Qwen3.5 (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM)")
+        why = ("its config names no multi-token-prediction layer (num_nextn_predict_layers, or Qwen's "
+               "mtp_num_hidden_layers)"
                if name in MTP_DRAFTERS else
                "its MTP layer attends through an indexer of its own (DeepSeek Sparse Attention), which the "
                "drafter does not run" if target.index_topk and target.num_mtp_layers else "its architecture has none")
         raise ValueError(f"speculative method mtp drafts with the model's own multi-token-prediction layer, and "
                          f"{name} has none: {why}. Served with one: {families}")
-    return dataclasses.replace(target, architecture=MTP_DRAFTERS[name].__name__)
+    drafter = MTP_DRAFTERS[name]
+    if drafter is Qwen3NextMTP:
+        # One full-attention layer after the decoder's (no recurrent state), routed as layer 0 is.
+        moe = target.moe_layers + (target.layer_is_moe(0),) if target.moe_layers else ()
+        return dataclasses.replace(target, architecture=drafter.__name__, mamba=None, mamba_layers=(), moe_layers=moe)
+    return dataclasses.replace(target, architecture=drafter.__name__)

@@ -6,8 +6,8 @@ Its norms scale by (1 + w), Gemma's (GemmaRMSNorm). The full attention is Qwen3'
 q_proj gives each head its queries and, after them, an output gate (the attention's output is
 multiplied by sigmoid(gate) before o_proj), and RoPE rotates the first quarter of each head
 (partial_rotary_factor). The checkpoint's ``linear_attn`` modules are our layers' recurrent mixer
-(``mamba``, as Granite 4.0-H's Mamba-2 layers are named); its multi-token-prediction layers
-(``mtp.*``) are not read.
+(``mamba``, as Granite 4.0-H's Mamba-2 layers are named); its multi-token-prediction layer
+(``mtp.*``) is not read here, but by speculative decoding's mtp drafter (gpu_worker.models.mtp).
 """
 
 from __future__ import annotations

@@ -13,14 +13,15 @@ from tests.cluster.test_spec_decode import run
 from tests.gpu_worker.utils import hf_greedy, load_hf
 
 
-def check_greedy_answers_with_drafts(path: Path, spec: dict, num_gpu_blocks: int) -> None:
+def check_greedy_answers_with_drafts(path: Path, spec: dict, num_gpu_blocks: int, **flags) -> None:
     """Greedy answers drafted for under ``spec`` are transformers' own, through chunked prefill,
     preemption (a pool of ``num_gpu_blocks`` blocks of 4) and prefix-cache hits, with drafts both
-    accepted and rejected, and every block free at the end."""
+    accepted and rejected, and every block free at the end (``flags``: the engine's others)."""
     prompts = PROMPTS + PROMPTS[:2]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     outputs, stats = run(path, prompts, params, dtype="float32", block_size=4, num_gpu_blocks=num_gpu_blocks,
-                         max_num_batched_tokens=16, max_num_seqs=8, max_model_len=80, speculative_config=spec)
+                         max_num_batched_tokens=16, max_num_seqs=8, max_model_len=80, speculative_config=spec,
+                         **flags)
     hf = load_hf(path)
     with torch.no_grad():
         expected = [hf_greedy(hf, prompt, 12) for prompt in prompts]

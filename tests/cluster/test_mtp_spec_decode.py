@@ -10,7 +10,7 @@ import pytest
 
 from cluster import LLM
 from tests.cluster.spec_decode_checks import check_greedy_answers_with_drafts, check_the_drafter_sleeps_and_wakes
-from tests.gpu_worker.utils import save_tiny_model_with_mtp
+from tests.gpu_worker.utils import save_tiny_model_with_mtp, save_tiny_qwen3_next_with_mtp
 from tests.tiny_model import build_tokenizer
 
 MTP = {"method": "mtp", "num_speculative_tokens": 2}
@@ -26,6 +26,16 @@ def _model(tmp_path, kind: str):
 @pytest.mark.parametrize("kind", ["glm4_moe", "deepseek_v3", "deepseek_v32"])
 def test_mtp_drafts_keep_the_greedy_answers_through_preemption_and_the_prefix_cache(tmp_path, kind):
     check_greedy_answers_with_drafts(_model(tmp_path, kind), MTP, num_gpu_blocks=24)
+
+
+def test_qwen3_next_drafts_with_its_mtp_layer_beside_the_states_its_prefix_cache_keeps(tmp_path):
+    """Qwen3-Next's MTP layer (vLLM's method name qwen3_next_mtp), read from its own names, over a
+    target with Gated DeltaNet layers under --mamba-cache-mode align: the repeated prompts start from
+    kept states, rejected drafts put the recurrent states back, and the answers are transformers'."""
+    path = save_tiny_qwen3_next_with_mtp(tmp_path / "qwen3_next", near_bigram=0.02)
+    build_tokenizer().save_pretrained(path)
+    check_greedy_answers_with_drafts(path, {"method": "qwen3_next_mtp", "num_speculative_tokens": 2},
+                                     num_gpu_blocks=24, mamba_cache_mode="align")
 
 
 def test_the_mtp_layer_sleeps_and_wakes_with_its_model(tmp_path):

@@ -23,6 +23,7 @@ from tests.gpu_worker.utils import (
     load_hf,
     save_tiny_model,
     save_tiny_model_with_mtp,
+    save_tiny_qwen3_next_with_mtp,
 )
 
 K = 3  # drafts a pass
@@ -84,6 +85,46 @@ class MtpReference:
             hook.remove()
 
 
+class QwenMtpReference(MtpReference):
+    """Qwen3-Next's / Qwen3.5's MTP layer computed from scratch (its tensors under ``mtp.``): as
+    MtpReference, with Gemma-style norms (1 + w), position 0's embedding not zeroed, and the layer's
+    normed output going on as the next draft's hidden state."""
+
+    def __init__(self, path: Path, tmp: Path) -> None:
+        self.target = load_hf(path)
+        config = json.loads((path / "config.json").read_text())
+        tensors = load_file(path / "model.safetensors")
+        self.enorm = 1.0 + tensors["mtp.pre_fc_norm_embedding.weight"]
+        self.hnorm = 1.0 + tensors["mtp.pre_fc_norm_hidden.weight"]
+        self.eh_proj, self.eps = tensors["mtp.fc.weight"], config["rms_norm_eps"]
+        layer = {name.replace("mtp.layers.0.", "model.layers.0."): t for name, t in tensors.items()
+                 if name.startswith("mtp.layers.0.")}
+        layer.update({"model.norm.weight": tensors["mtp.norm.weight"],
+                      "model.embed_tokens.weight": tensors["model.embed_tokens.weight"],
+                      "lm_head.weight": tensors["lm_head.weight"]})
+        (tmp / "mtp_reference").mkdir()
+        save_file(layer, tmp / "mtp_reference" / "model.safetensors", metadata={"format": "pt"})
+        (tmp / "mtp_reference" / "config.json").write_text(json.dumps(
+            {**config, "num_hidden_layers": 1, "layer_types": ["full_attention"], "mtp_num_hidden_layers": 0}))
+        self.layer = load_hf(tmp / "mtp_reference")
+
+    @torch.no_grad()
+    def drafts(self, sequence: list[int], k: int) -> list[int]:
+        ids = torch.tensor([sequence])
+        hidden = self.target.model(input_ids=ids[:, :-1]).last_hidden_state[0]
+        embed = self.target.model.embed_tokens
+        inputs = embed(ids[0, 1:])
+        drafts = []
+        for _ in range(k):
+            rows = torch.cat((self._norm(inputs, self.enorm), self._norm(hidden, self.hnorm)), dim=-1)
+            out = self.layer.model(inputs_embeds=(rows @ self.eh_proj.T)[None]).last_hidden_state[0]
+            drafts.append(int(self.layer.lm_head(out[-1]).argmax()))
+            # The next draft: the one just made in, the layer's normed output as the hidden state.
+            inputs = torch.cat((inputs, embed(torch.tensor([drafts[-1]]))))
+            hidden = torch.cat((hidden, out[-1:]))
+        return drafts
+
+
 def mtp_runner(path: Path, num_blocks: int, block_size: int, max_num_batched_tokens: int) -> ModelRunner:
     runner = ModelRunner(ModelConfig.from_pretrained(path), device="cpu", dtype=torch.float32, max_model_len=256,
                          max_num_batched_tokens=max_num_batched_tokens, num_spec_tokens=K)
@@ -99,6 +140,15 @@ def test_every_mtp_draft_is_the_references_through_chunks_and_rejections(kind, t
     test model's 6 keys choosing.)"""
     path = save_tiny_model_with_mtp(tmp_path / "model", kind, near_bigram=0.02)
     check_every_draft(mtp_runner(path, 96, 4, 24), MtpReference(path, tmp_path), K)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
+def test_every_qwen3_next_mtp_draft_is_the_references(kind, tmp_path):
+    """Qwen3-Next's and Qwen3.5's MTP layer, read from its own names (mtp.*), over a target with
+    recurrent layers: every draft is the reference's, through chunks, accepted and rejected drafts
+    (whose recurrent states the target puts back), and the answers are transformers' greedy ones."""
+    path = save_tiny_qwen3_next_with_mtp(tmp_path / "model", kind, near_bigram=0.02)
+    check_every_draft(mtp_runner(path, 96, 4, 24), QwenMtpReference(path, tmp_path), K)
 
 
 def test_a_model_without_an_mtp_layer_is_refused(tmp_path):
@@ -121,6 +171,16 @@ def test_a_model_without_an_mtp_layer_is_refused(tmp_path):
         mtp_config(glm5)
     with pytest.raises(ValueError, match="its architecture has none"):  # (no MTP layer named)
         mtp_config(ModelConfig.from_pretrained(save_tiny_model(tmp_path / "glm5", "glm_moe_dsa")))
+    qwen = save_tiny_model(tmp_path / "qwen3_next", "qwen3_next")
+    with pytest.raises(ValueError, match="names no multi-token-prediction layer"):
+        mtp_config(ModelConfig.from_pretrained(qwen))
+    config = json.loads((qwen / "config.json").read_text())
+    (qwen / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))
+    runner = ModelRunner(ModelConfig.from_pretrained(qwen), device="cpu", dtype=torch.float32, max_model_len=64,
+                         num_spec_tokens=K)
+    runner.load_model(qwen)
+    with pytest.raises(ValueError, match=r"holds no multi-token-prediction layer \(mtp\.\*\)"):
+        runner.load_mtp_drafter(qwen, K)
 
 
 @pytest.mark.slow

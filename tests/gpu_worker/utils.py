@@ -1094,6 +1094,50 @@ def save_tiny_model_with_mtp(path: Path, kind: str, seed: int = 0, near_bigram: 
     return path
 
 
+def save_tiny_qwen3_next_with_mtp(path: Path, kind: str = "qwen3_next", seed: int = 0,
+                                  near_bigram: float | None = None) -> Path:
+    """A random-weight Qwen3-Next (or Qwen3.5, dense or MoE) checkpoint of three layers (Gated DeltaNet,
+    gated attention, Gated DeltaNet; every MLP routed where the kind routes any) holding one
+    multi-token-prediction layer apart, under ``mtp.``, as the released ones do: a fourth (full
+    attention) layer's tensors as ``mtp.layers.0``, Gemma-style ``pre_fc_norm_embedding``,
+    ``pre_fc_norm_hidden`` and ``norm``, and ``fc``. ``near_bigram``: as save_tiny_model_with_mtp's
+    (every output projection scaled by it, the linear attention's ``out_proj`` too, and ``fc`` close to
+    passing the next token's embedding on), so that drafts get accepted."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    kinds = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+    save_tiny_model(path, kind, seed, layer_types=kinds, **({} if kind == "qwen3_5" else {"mlp_only_layers": []}))
+    config = json.loads((path / "config.json").read_text())
+    config.update(num_hidden_layers=3, layer_types=kinds[:3], mtp_num_hidden_layers=1)
+    (path / "config.json").write_text(json.dumps(config))
+    tensors = {}
+    for name, tensor in load_file(path / "model.safetensors").items():
+        tensors[name.replace("model.layers.3.", "mtp.layers.0.")] = tensor
+    width = config["hidden_size"]
+    generator = torch.Generator().manual_seed(seed + 1)
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):  # (each scales by 1 + w)
+        tensors[f"mtp.{norm}.weight"] = 0.3 * torch.randn(width, generator=generator)
+    tensors["mtp.fc.weight"] = torch.randn(width, 2 * width, generator=generator) * (2 * width) ** -0.5
+    if near_bigram is not None:
+        for name in tensors:
+            if name.startswith(("model.layers.", "mtp.layers.")) and name.endswith(
+                    ("o_proj.weight", "down_proj.weight", "out_proj.weight")):
+                tensors[name] = tensors[name] * near_bigram
+        tensors["mtp.pre_fc_norm_embedding.weight"] = torch.zeros(width)
+        # (The final norm's scales uneven, the target's and the MTP layer's alike: whether the layer's
+        # output goes on normed or not then matters to the next draft.)
+        tensors["model.norm.weight"] = 0.3 * torch.randn(width, generator=generator)
+        tensors["mtp.norm.weight"] = tensors["model.norm.weight"].clone()
+        # (The hidden state's half not near zero: the hidden state the layer is given matters to its drafts.)
+        tensors["mtp.fc.weight"] = torch.cat((torch.eye(width), torch.zeros(width, width)), dim=1) \
+            + torch.cat((torch.full((width, width), near_bigram), torch.full((width, width), 0.3)), dim=1) \
+            * tensors["mtp.fc.weight"]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
 def save_near_bigram_target(path: Path, seed: int = 0, near_bigram: float = 0.02, kind: str = "llama",
                             **overrides) -> Path:
     """A tiny Llama (or model of another ``kind``; eight layers by default) whose every layer's output
