@@ -130,7 +130,7 @@ def _mamba_refusal(config: EngineConfig, model_config: ModelConfig) -> str | Non
     """What an engine cannot do for a model with recurrent layers (Mamba, Mamba-2, Gated DeltaNet, Kimi
     Delta Attention, lightning attention, short convolutions; None: nothing it asks for). Each
     request's state there covers exactly the tokens computed so far: another engine's KV or the host
-    tier's would come without it. (Speculative decoding keeps the state after each draft it verifies:
+    tier's would come without it. (Speculative decoding keeps the state before each draft it verifies:
     gpu_worker.model_runner.)"""
     try:
         model_config.mamba.per_rank(config.tensor_parallel_size)

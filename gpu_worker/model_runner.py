@@ -208,7 +208,8 @@ class ModelRunner:
         self.drafter = drafter
 
     def load_mtp_drafter(self, weights: WeightSource, num_speculative_tokens: int) -> None:
-        """Speculative decoding's drafter of method mtp (gpu_worker/mtp_drafter.py): the model's own
+        """Speculative decoding's drafter of method mtp (gpu_worker/models/mtp.py, run by
+        gpu_worker/hidden_state_drafter.py): the model's own
         multi-token-prediction layer, read from its checkpoint (``weights``), on this runner's device,
         dtype and KV cache dtype, with the model's embedding and LM head; ValueError when the model
         has none."""
@@ -498,7 +499,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.requests.update(so)
-        if self.requests.rejected_drafts:
+        if self.requests.rejected_drafts:  # (before anything reads their rows)
             self._roll_back_rejected_drafts()
         if so.kv_offload_stores or so.kv_offload_loads:
             self.copy_offloaded_blocks(so)
@@ -512,6 +513,8 @@ class ModelRunner:
             state = self.requests[req_id]
             state.token_ids.extend(draft)
             state.num_draft_tokens = len(draft)
+            end = state.num_computed_tokens + so.num_scheduled_tokens[req_id]
+            state.verified_drafts = (end - len(draft), end)
         if not so.total_num_scheduled_tokens:
             return ModelRunnerOutput([], {}, [], None)
         if self.model is None or not self.block_size:
@@ -595,8 +598,6 @@ class ModelRunner:
             inputs, self._pass_inputs = self._pass_inputs, None
             draft_token_ids = self.drafter.after_pass(inputs, target_hidden, states, sample_rows,
                                                       self.requests.block_table) or None
-        if self.requests.rejected_drafts:  # (the rank that verified knows now; the others at the next update)
-            self._roll_back_rejected_drafts()
         return ModelRunnerOutput(req_ids=order, req_id_to_index={r: i for i, r in enumerate(order)},
                                  sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                                  pooler_output=pooler_output, draft_token_ids=draft_token_ids)
@@ -812,8 +813,6 @@ class ModelRunner:
             # The drafts computed but rejected are not in the cache: the next pass recomputes from here.
             num_rejected = len(draft) - (len(toks) - 1)
             state.num_computed_tokens -= num_rejected
-            if num_rejected:  # (its recurrent states too, after this pass: _roll_back_rejected_drafts)
-                self.requests.rejected_drafts[state.table_row] = len(toks) - 1
             del state.token_ids[len(state.token_ids) - len(draft):]
             state.token_ids.extend(toks)
             state.num_draft_tokens = 0
@@ -1126,10 +1125,10 @@ class ModelRunner:
             kept_within[req_id] = sorted(kept)
 
     def _roll_back_rejected_drafts(self) -> None:
-        """Requests whose pass rejected drafts (RequestStates.rejected_drafts: table row -> drafts
-        accepted; the rank that verified them knows at the pass's end, every other rank and stage from
-        the next pass's scheduled tokens): each one's recurrent states put back to those after the
-        drafts it accepted."""
+        """Requests whose last verifying pass computed tokens the scheduler did not keep
+        (RequestStates.rejected_drafts: table row -> drafts kept; every rank learns it alike, from the
+        next pass's scheduled tokens): each one's recurrent states put back to those after the drafts
+        kept."""
         rejected, self.requests.rejected_drafts = self.requests.rejected_drafts, {}
         if not self.mamba_mixers:  # (a pipeline stage of attention layers alone: its KV is overwritten)
             return

@@ -35,6 +35,11 @@ class RequestState:
     # Draft tokens (speculative decoding) at the end of token_ids that the pass which computed them
     # did not resolve on this rank (ranks other than 0 never learn which were kept).
     num_draft_tokens: int = 0
+    # The last pass that verified drafts for it, on every rank: (tokens computed before its drafts,
+    # tokens computed after it). Its recurrent states then cover all of them; the next update puts
+    # them back to the scheduler's count where that is less (rejected drafts, or a stop among the
+    # accepted ones): RequestStates.rejected_drafts.
+    verified_drafts: tuple[int, int] | None = None
     # allowed_token_ids as a [vocab] mask, and logit_bias as (ids, biases): built at the first step
     # that samples the request (on the runner's device), reused by every later one.
     allowed_mask: torch.Tensor | None = None
@@ -141,8 +146,9 @@ class RequestStates:
         self.embedding_ids: set[str] = set()
         # The block ids of every held request (a row each); parked requests hold none.
         self.block_table = BlockTable()
-        # Held requests whose last pass rejected some of its drafts, as this update says: table row ->
-        # the drafts accepted (the model runner puts their recurrent states back to after those).
+        # Held requests whose last verifying pass computed tokens the scheduler did not keep (drafts it
+        # rejected, or accepted drafts after a stop), as this update says: table row -> the drafts kept
+        # (the model runner puts their recurrent states back to after those).
         self.rejected_drafts: dict[int, int] = {}
 
     def __len__(self) -> int:
@@ -181,10 +187,22 @@ class RequestStates:
         if held is None:
             state.table_row = self.block_table.add(block_ids)
         else:
+            if held.verified_drafts is not None:  # (its last turn ended in a verifying pass)
+                self._note_rejected_drafts(held, state.num_computed_tokens)
             state.table_row = held.table_row
             self.block_table.table[held.table_row] = 0
             self.block_table.write(held.table_row, 0, block_ids)
         self.states[state.req_id] = state
+
+    def _note_rejected_drafts(self, state: RequestState, kept: int) -> None:
+        """``state``'s last pass verified drafts, and the scheduler keeps ``kept`` of its tokens
+        computed: where that is fewer than the pass computed, its recurrent states go back to after
+        the drafts kept (rejected_drafts). (Fewer than the tokens before the drafts: a session's turn
+        computed again from the start, or from a state the prefix cache restores, writes the row anew.)"""
+        before, after = state.verified_drafts
+        state.verified_drafts = None
+        if before <= kept < after:
+            self.rejected_drafts[state.table_row] = kept - before
 
     def update(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
@@ -253,11 +271,10 @@ class RequestStates:
             if start > len(state.token_ids):
                 raise ValueError(f"request {req_id!r}: scheduled tokens start at {start} but only "
                                  f"{len(state.token_ids)} tokens are known")
+            if state.verified_drafts is not None:
+                self._note_rejected_drafts(state, start)
             if state.num_draft_tokens:
                 # Drafts of the last pass: those before ``start`` were accepted; the rest are stale.
-                rejected = state.num_computed_tokens - start
-                if rejected > 0:
-                    self.rejected_drafts[state.table_row] = state.num_draft_tokens - rejected
                 del state.token_ids[start:]
                 state.num_draft_tokens = 0
             # The scheduler's tokens are authoritative (a sampled token we remembered is resent).

@@ -294,6 +294,13 @@ class Worker:
         return (config.mamba.per_rank(self.world_size).state_bytes(*self.mamba_state_dtypes) * sum(layers)
                 * (self.max_num_seqs * (1 + self.num_spec_tokens) + self.num_recurrent_state_slots))
 
+    def _state_knobs(self, joint: str) -> str:
+        """The other flags that size the recurrent states, for an error message: the prefix cache's
+        kept states, the states kept after each draft (each draft another state per request)."""
+        knobs = (["--mamba-prefix-cache-slots"] if self.num_recurrent_state_slots else []) \
+            + (["the speculative config's num_speculative_tokens"] if self.num_spec_tokens else [])
+        return "".join(joint + knob for knob in knobs)
+
     def _states_held(self) -> str:
         slots = self.num_recurrent_state_slots
         return (f"{self.max_num_seqs} requests" + (f" (and {self.num_spec_tokens} after drafts each)"
@@ -332,7 +339,7 @@ class Worker:
                          if self.device.type == "cuda" else f"kv_cache_memory_bytes={kv_cache_memory_bytes}")
                 raise ValueError(f"the model, a pass of {self._runner().max_num_batched_tokens} tokens{room} need more "
                                  f"than {share}: raise it, or lower --max-num-batched-tokens / --max-num-seqs"
-                                 + (" / --mamba-prefix-cache-slots" if self.num_recurrent_state_slots else ""))
+                                 + self._state_knobs(" / "))
             runner = self._runner()
             num_blocks = (runner.cacheless_num_blocks(block_size) if self.model_config.encoder_only
                           else runner.max_num_seqs * -(-runner.max_model_len // block_size))
@@ -344,8 +351,7 @@ class Worker:
             if budget is not None and budget < self.mamba_state_bytes():
                 raise ValueError(f"this pipeline stage's recurrent states of {self._states_held()} "
                                  f"({self.mamba_state_bytes()} bytes) need more than its budget ({budget} bytes): "
-                                 "lower --max-num-seqs"
-                                 + (" or --mamba-prefix-cache-slots" if self.num_recurrent_state_slots else ""))
+                                 "lower --max-num-seqs" + self._state_knobs(" or "))
             num_blocks = NO_BLOCK_BOUND
         if num_blocks is None:
             per_block = self.bytes_per_block(block_size)
@@ -360,7 +366,7 @@ class Worker:
                 raise ValueError(f"the recurrent states of {self._states_held()} ({states} bytes) leave less than "
                                  f"one KV block ({per_block} bytes) of the cache's {budget} bytes: give it more "
                                  "memory, or lower --max-num-seqs"
-                                 + (" / --mamba-prefix-cache-slots" if self.num_recurrent_state_slots else ""))
+                                 + self._state_knobs(" / "))
             num_blocks = num_blocks_for_budget(budget - states, per_block)
         return distributed.all_reduce_min(num_blocks, self.device)
 

@@ -69,8 +69,9 @@ class MambaState:
 
     conv: torch.Tensor
     ssm: torch.Tensor
-    # The prefix cache's kept states of the same layer (slots of the same shapes), where a pass copies
-    # a state part-way through a chunk (MambaStepMetadata.kept_after); None when none are kept.
+    # The layer's kept states (slots of the same shapes): the prefix cache's, then with speculative
+    # decoding each live row's states before its drafts; a pass copies states part-way through a
+    # chunk (MambaStepMetadata.kept_after) or after a token (token_steps) into them. None: none kept.
     kept: MambaState | None = None
 
     @classmethod
@@ -123,6 +124,7 @@ def run_recurrence(state: MambaState, step: MambaStepMetadata, out: torch.Tensor
         outputs, states = decode(token_step.tokens, state.gather_ssm(token_step.rows))
         state.scatter_ssm(token_step.rows, states)
         out.index_copy_(0, token_step.tokens, outputs)
+        del outputs, states  # (freed before the kept copy's own temporary: the peak a decode pass has)
         if token_step.kept_rows is not None:
             state.kept.ssm.index_copy_(0, token_step.kept_slots, state.ssm.index_select(0, token_step.kept_rows))
     carried: tuple[int, torch.Tensor] | None = None  # (a piece's row, its fp32 state after it)

@@ -1,13 +1,15 @@
 """A model's multi-token-prediction (MTP) layer, as speculative decoding's drafter (vLLM's ``mtp``
 method): DeepSeek-V3 / V3.1 / R1 and GLM-4.5 / 4.6 / 4.7 were trained with one, and their checkpoints
 hold it after the decoder's layers (``model.layers.{num_hidden_layers}.``); Qwen3-Next's and Qwen3.5's
-hold theirs apart, under ``mtp.`` (Qwen3NextMTP: the same computation under other names).
+hold theirs apart, under ``mtp.`` (Qwen3NextMTP: the same layout under other names, with Gemma's
+norms, no zeroed first position, and its output normed before it goes on).
 
 At position p it takes the token after p (its embedding, normed: ``enorm``) and the target's last
 hidden state at p (after the final norm, normed again: ``hnorm``), projects the two side by side back
 to the hidden width (``eh_proj``), runs one decoder layer of the model's own kind over that (with a
 KV cache of its own), and its output, normed (``shared_head.norm``) through the target's LM head,
-predicts the token after next. The embedding at position 0 is zeroed, as vLLM does. Drafting
+predicts the token after next. The embedding at position 0 is zeroed (DeepSeek's and GLM's, as
+vLLM runs them). Drafting
 further, the layer takes its own output as the hidden state (gpu_worker/hidden_state_drafter.py).
 
 The embedding and the LM head are the target model's (the checkpoint's MTP layer holds copies of
@@ -63,7 +65,7 @@ class MtpForCausalLM(nn.Module):
         super().__init__()
         if not config.num_mtp_layers:
             raise ValueError(f"{config.architecture}: the checkpoint's config names no multi-token-prediction "
-                             "layer (num_nextn_predict_layers)")
+                             "layer (num_nextn_predict_layers, or mtp_num_hidden_layers)")
         self.config = config
         self.index = config.num_hidden_layers  # (the first MTP layer's number)
         layer = self.layer_class(config, self.index)
@@ -180,11 +182,14 @@ class Qwen3NextMTP(MtpForCausalLM):
                 ("mtp.fc.", "eh_proj."), ("mtp.norm.", "shared_head.norm."), ("mtp.layers.0.", ""))
 
     def reads_checkpoint_tensor(self, name: str) -> bool:
-        return name.startswith(("mtp.pre_fc_norm_", "mtp.fc.", "mtp.norm.", "mtp.layers.0."))
+        return name.startswith(("mtp.pre_fc_norm_", "mtp.fc.", "mtp.norm.", "mtp.layers.0.", "mtp.embed_tokens."))
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         found = False
         for name, tensor in weights:
+            if name.startswith("mtp.embed_tokens."):  # (mtp_use_dedicated_embeddings: none released so)
+                raise ValueError("the checkpoint's MTP layer has an embedding of its own (mtp.embed_tokens), which "
+                                 "this drafter does not read: it drafts through the model's")
             for old, new in self._RENAMES:
                 if name.startswith(old):
                     found = True

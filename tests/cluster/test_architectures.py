@@ -175,7 +175,8 @@ def test_mamba_hybrids_recompute_what_a_prefix_cache_would_skip_and_verify_draft
     assert worst < 1e-3, f"a token's logprob is {worst:.2e} off transformers'"
     assert stats.num_preemptions > 0, "the KV pool was meant to force preemption"
     assert stats.prefix_cache_hits == 0 and stats.num_free_blocks == stats.num_blocks
-    assert 0 < stats.spec_decode_num_accepted_tokens + 1 <= stats.spec_decode_num_draft_tokens, "drafts rejected"
+    # (Some drafts rejected, their states put back; acceptance is the random model's, often none.)
+    assert stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
 
 
 @pytest.mark.parametrize("kind", RECURRENT_KINDS)
@@ -250,7 +251,7 @@ def test_drafts_verified_beside_the_states_the_prefix_cache_keeps(tmp_path, kind
     assert again.num_cached_tokens == 20
     # (45 prompt tokens and 11 computed answer tokens: a state at most at 56, kept by a decode past the prompt)
     assert 44 < next_turn.num_cached_tokens <= 56
-    assert 0 < stats.spec_decode_num_accepted_tokens + 1 <= stats.spec_decode_num_draft_tokens, "drafts rejected"
+    assert stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens  # (some rejected)
     assert stats.recurrent_states_restored >= 2 and stats.num_free_blocks == stats.num_blocks
 
 

@@ -16,11 +16,11 @@ from tests.gpu_worker.utils import greedy_request, hf_greedy, make_scheduler, ru
 
 
 def check_every_draft(runner: ModelRunner, reference, k: int, num_blocks: int = 96, block_size: int = 4,
-                      budget: int = 24, max_tokens: int = 16) -> None:
+                      budget: int = 24, max_tokens: int = 16, some_accepted: bool = True) -> None:
     """Four greedy requests (prompts of 5, 30, 11 and 1 tokens: chunked prefill under ``budget``)
     drafted for ``k`` tokens a pass: every draft is ``reference.drafts(sequence so far, n)``, the
-    answers are ``reference.target``'s (transformers) greedy ones, and drafts were both accepted and
-    rejected."""
+    answers are ``reference.target``'s (transformers) greedy ones, and drafts were rejected, and
+    accepted (unless not ``some_accepted``: a drafter of random weights)."""
     scheduler = make_scheduler(num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=budget,
                                num_spec_tokens=k, prefix_caching=False)
     scheduler.num_lookahead_tokens = k
@@ -50,7 +50,7 @@ def check_every_draft(runner: ModelRunner, reference, k: int, num_blocks: int = 
         raise AssertionError("requests did not finish")
     assert [outputs[f"r{i}"] for i in range(len(prompts))] == [hf_greedy(reference.target, p, max_tokens)
                                                                for p in prompts]
-    assert checked > 10 and accepted > 0 and rejected > 0, (checked, accepted, rejected)
+    assert checked > 10 and (accepted > 0 or not some_accepted) and rejected > 0, (checked, accepted, rejected)
 
 
 def drive(execute: Callable, prompts: dict[str, list[int]], num_blocks: int, k: int

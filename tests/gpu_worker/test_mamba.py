@@ -254,22 +254,27 @@ def test_the_cache_budget_counts_attention_layers_and_leaves_room_for_the_states
     assert [tuple(s.ssm.shape) for s in worker.runner.mamba_states] == [(3, 8, 16, 16)] * 3
 
 
-def test_the_states_the_prefix_cache_keeps_come_out_of_the_budget_too(hybrid_model):
+@pytest.mark.parametrize("drafts", [0, 2])
+def test_the_states_the_prefix_cache_keeps_come_out_of_the_budget_too(hybrid_model, drafts):
     """--mamba-cache-mode align: the kept states (slots) sit beside the live rows, each one request's
-    states, and the KV blocks get what both leave."""
+    states, and the KV blocks get what both leave; with speculative decoding, ``drafts`` more slots a
+    request (its states before each draft) after them."""
     worker = Worker(0, 1, str(hybrid_model), device="cpu", dtype="auto", max_model_len=128, num_cpus=1,
-                    max_num_seqs=3, num_recurrent_state_slots=5)
+                    max_num_seqs=3, num_recurrent_state_slots=5, num_spec_tokens=drafts)
     worker.init_distributed()
     worker.load_model()
     per_request = (128 + 64) * 3 * 4 + 8 * 16 * 16 * 4
-    assert worker.mamba_state_bytes() == 3 * (3 + 5) * per_request
+    assert worker.mamba_state_bytes() == 3 * (3 * (1 + drafts) + 5) * per_request
     budget = worker.mamba_state_bytes() + worker.bytes_per_block(4) * 10 + 5
     assert worker.determine_num_blocks(4, kv_cache_memory_bytes=budget) == 10
     worker.initialize_cache(10, 4)
-    assert [tuple(s.ssm.shape) for s in worker.runner.kept_states] == [(5, 8, 16, 16)] * 3
-    assert [tuple(s.conv.shape) for s in worker.runner.kept_states] == [(5, 128 + 64, 3)] * 3
-    with pytest.raises(ValueError, match=r"states of 3 requests and 5 kept for the prefix cache .* "
-                                         r"--mamba-prefix-cache-slots"):
+    slots = 5 + 3 * drafts
+    assert [tuple(s.ssm.shape) for s in worker.runner.kept_states] == [(slots, 8, 16, 16)] * 3
+    assert [tuple(s.conv.shape) for s in worker.runner.kept_states] == [(slots, 128 + 64, 3)] * 3
+    held = "3 requests" + (" \\(and 2 after drafts each\\)" if drafts else "")
+    with pytest.raises(ValueError, match=f"states of {held} and 5 kept for the prefix cache .* "
+                                         "--mamba-prefix-cache-slots" + (" / the speculative config's "
+                                                                         "num_speculative_tokens" if drafts else "")):
         worker.determine_num_blocks(4, kv_cache_memory_bytes=worker.mamba_state_bytes() - 1)
 
 
@@ -623,66 +628,124 @@ def test_consecutive_decode_rows_are_updated_where_they_lie():
 def test_a_pass_rejecting_drafts_puts_the_recurrent_states_back_to_after_the_accepted_ones(hybrid_model):
     """Speculative decoding on recurrent layers through a runner: two requests (one prompt in chunks
     beside the other's verifying passes), scripted drafts of three of which the first 0, 1, 2 or 3 are
-    the greedy tokens and the rest wrong. After every pass each request's states, in every recurrent
-    layer, are those a runner computing only its accepted tokens leaves; its tokens are transformers'.
-    A second runner fed the same passes whose logits are not its own (a TP rank other than 0, which
-    learns what was accepted from the next pass's scheduled tokens) holds the same states."""
+    the greedy tokens and the rest wrong. At the start of every pass each request's states, in every
+    recurrent layer, are those a runner computing only the tokens the scheduler kept leaves; its tokens
+    are transformers'. So too in a second runner fed the same passes whose logits are not its own (a TP
+    rank other than 0, which learns what was accepted from the next pass's scheduled tokens alone)."""
     import itertools
 
     prompts = {"a": [(7 * j + 1) % 256 for j in range(17)], "b": [(5 * j + 3) % 256 for j in range(6)]}
     max_tokens, k = 14, 3
     hf = load_hf(hybrid_model)
     truth = {rid: hf_greedy(hf, prompt, max_tokens + k) for rid, prompt in prompts.items()}
-    runner = make_runner(hybrid_model, num_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=12,
-                         num_spec_tokens=k)
-    follower = make_runner(hybrid_model, num_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=12,
-                           num_spec_tokens=k)
-    follower.model.compute_logits = lambda hidden: None  # (as on a TP rank other than 0)
-    reference = make_runner(hybrid_model, num_blocks=64, block_size=4, max_num_seqs=1, max_num_batched_tokens=64)
-    sched = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=12, max_num_seqs=2,
-                           prefix_caching=False, num_spec_tokens=k)
+    runner, follower, sched = _drafting_runners(hybrid_model, k)
+    checked = _check_states_at_each_pass(runner, follower, hybrid_model)
     for rid, prompt in prompts.items():
         sched.add_request(greedy_request(rid, prompt, max_tokens))
     accepting = itertools.cycle([2, 0, 3, 1, 0])
     tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
-    rejected_after: set[int] = set()  # the drafts accepted by passes that rejected some
+    kept_of_rejecting: set[int] = set()  # the drafts accepted by passes that rejected some
 
-    def states(run, rid):
-        row = run.requests[rid].table_row
-        return [(state.conv[row].clone(), state.ssm[row].clone()) for state in run.mamba_states]
+    def script(request) -> list[int]:
+        done, right = len(tokens[request.request_id]), next(accepting)
+        ahead = truth[request.request_id][done:done + k]
+        return ahead[:right] + [(t + 1) % 256 for t in ahead[right:]]
 
-    for step in itertools.count():
-        assert step < 60, "requests did not finish"
-        if not sched.has_unfinished_requests():
-            break
+    for so, out in _drive(sched, runner, follower, tokens, script):
+        for rid, drafted in so.scheduled_spec_decode_tokens.items():
+            sampled = out.sampled_token_ids[out.req_id_to_index[rid]]
+            if len(sampled) - 1 < len(drafted):
+                kept_of_rejecting.add(len(sampled) - 1)
+    assert tokens == {rid: truth[rid][:max_tokens] for rid in prompts}
+    assert kept_of_rejecting == {0, 1, 2} and len(checked) > 20
+
+
+def test_a_stop_among_accepted_drafts_puts_a_sessions_states_back_before_its_next_turn(hybrid_model):
+    """A resumable session whose verifying pass accepts every draft, one of them its stop token: the
+    scheduler keeps the tokens up to the stop (the accepted drafts after it are dropped), and the next
+    turn starts from the state after them, on the verifying runner and on one that never sees logits;
+    the next turn's tokens are transformers' continuation of the whole conversation."""
+    from engine_core.request import Request
+    from engine_core.sampling_params import SamplingParams
+
+    first, second, k = [(5 * j + 2) % 256 for j in range(9)], [17, 23, 29], 3
+    hf = load_hf(hybrid_model)
+    truth = hf_greedy(hf, first, 6)
+    assert truth[2] not in truth[:2], "the stop token was meant to end the turn at its third token"
+    runner, follower, sched = _drafting_runners(hybrid_model, k)
+    checked = _check_states_at_each_pass(runner, follower, hybrid_model)
+    tokens: dict[str, list[int]] = {"s": []}
+    sched.add_request(Request("s", first, SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=[truth[2]]),
+                              eos_token_id=None, resumable=True))
+    drafted = list(_drive(sched, runner, follower, tokens, lambda request: truth[1:1 + k]))
+    assert tokens["s"] == truth[:3] and any(so.scheduled_spec_decode_tokens for so, _ in drafted)
+    sched.add_request(Request("s", second, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                              eos_token_id=None, resumable=True))
+    tokens["s"] = []
+    list(_drive(sched, runner, follower, tokens, lambda request: []))
+    assert tokens["s"] == hf_greedy(hf, first + truth[:3] + second, 4)
+    assert ("s", len(first) + 2) in checked  # (the next turn started from the state after its first two tokens)
+
+
+def _drafting_runners(path, k: int):
+    """A runner verifying drafts, a second fed the same passes whose logits are not its own (a TP rank
+    other than 0), and their scheduler (blocks of 4, a 12-token budget, two requests at a time)."""
+    runner = make_runner(path, num_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=12,
+                         num_spec_tokens=k)
+    follower = make_runner(path, num_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=12,
+                           num_spec_tokens=k)
+    follower.model.compute_logits = lambda hidden: None
+    sched = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=12, max_num_seqs=2,
+                           prefix_caching=False, num_spec_tokens=k)
+    return runner, follower, sched
+
+
+def _drive(sched, runner, follower, tokens: dict[str, list[int]], script):
+    """Passes until every request of ``tokens`` finished (its turn: a resumable session waits for its
+    next), both runners fed each; after each, every running request gets the drafts
+    ``script(request)`` names. Yields (scheduler output, the verifying runner's output)."""
+    waiting = set(tokens)
+    for _ in range(60):
+        if not waiting:
+            return
         so = sched.schedule()
         out = runner.execute_model(so)
         follower.execute_model(so)
-        drafts = so.scheduled_spec_decode_tokens
-        for rid in so.num_scheduled_tokens:
-            computed = runner.requests[rid].num_computed_tokens
-            ref_id = f"{rid}@{computed}"
-            reference.execute_model(_prefill_only(reference, ref_id, runner.requests[rid].token_ids[:computed]))
-            for (conv, ssm), (ref_conv, ref_ssm) in zip(states(runner, rid), states(reference, ref_id), strict=True):
-                torch.testing.assert_close(ssm, ref_ssm, atol=1e-5, rtol=1e-5)
-                torch.testing.assert_close(conv, ref_conv, atol=1e-5, rtol=1e-5)
-            sampled = out.sampled_token_ids[out.req_id_to_index[rid]]
-            if rid in drafts and len(sampled) - 1 < len(drafts[rid]):
-                rejected_after.add(len(sampled) - 1)  # (the follower puts them back next pass)
-            else:
-                for mine, theirs in zip(states(runner, rid), states(follower, rid), strict=True):
-                    torch.testing.assert_close(mine, theirs, atol=0, rtol=0)
         for eco in sched.update_from_output(so, out).values():
             for o in eco.outputs:
                 tokens[o.request_id].extend(o.new_token_ids)
-        scripted = {}
-        for request in sched.running:
-            done, right = len(tokens[request.request_id]), next(accepting)
-            ahead = truth[request.request_id][done:done + k]
-            scripted[request.request_id] = ahead[:right] + [(t + 1) % 256 for t in ahead[right:]]
-        sched.update_draft_token_ids(scripted)
-    assert tokens == {rid: truth[rid][:max_tokens] for rid in prompts}
-    assert rejected_after == {0, 1, 2}
+                if o.finish_reason is not None:
+                    waiting.discard(o.request_id)
+        yield so, out
+        sched.update_draft_token_ids({request.request_id: script(request) for request in sched.running})
+    raise AssertionError("requests did not finish")
+
+
+def _check_states_at_each_pass(runner, follower, path) -> list[tuple[str, int]]:
+    """At the start of each pass of ``runner`` and ``follower`` (after any rollback, before the
+    forward), every request going on from a state holds in every recurrent layer the states a runner
+    computing only its tokens so far leaves. Returns the (request, tokens) checked, filled as passes run."""
+    reference = make_runner(path, num_blocks=64, block_size=4, max_num_seqs=1, max_num_batched_tokens=64)
+    checked: list[tuple[str, int]] = []
+    for run in (runner, follower):
+        def step(rows, starts, query_start_loc, kept_within=None, token_by_token=(), run=run,
+                 original=run.mamba_step):
+            held = {state.table_row: state for state in run.requests.states.values()}
+            for row, start in zip(rows.tolist(), starts.tolist(), strict=True):
+                if not start:
+                    continue
+                state = held[row]
+                ref_id = f"{state.req_id}@{start}#{len(checked)}"
+                reference.execute_model(_prefill_only(reference, ref_id, state.token_ids[:start]))
+                ref_row = reference.requests[ref_id].table_row
+                for live, ref in zip(run.mamba_states, reference.mamba_states, strict=True):
+                    torch.testing.assert_close(live.ssm[row], ref.ssm[ref_row], atol=1e-5, rtol=1e-5)
+                    torch.testing.assert_close(live.conv[row], ref.conv[ref_row], atol=1e-5, rtol=1e-5)
+                checked.append((state.req_id, start))
+            return original(rows, starts, query_start_loc, kept_within, token_by_token)
+
+        run.mamba_step = step
+    return checked
 
 
 def _prefill_only(runner, req_id: str, token_ids: list[int]):

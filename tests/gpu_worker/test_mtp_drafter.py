@@ -1,5 +1,5 @@
 """Speculative decoding's MTP drafter (gpu_worker/hidden_state_drafter.py, gpu_worker/models/mtp.py) on tiny
-GLM-4.5 and DeepSeek-V3 checkpoints holding an MTP layer: every draft it proposes is the one an
+GLM-4.5, DeepSeek-V3, Qwen3-Next and Qwen3.5 checkpoints holding an MTP layer: every draft it proposes is the one an
 independent reference computes from the whole sequence so far (transformers' decoder layer of the
 same kind, loaded with the MTP layer's weights, over every position at once), through chunked
 prefill, accepted and rejected drafts, and several requests a pass; and the answers are the model's
@@ -149,6 +149,13 @@ def test_every_qwen3_next_mtp_draft_is_the_references(kind, tmp_path):
     (whose recurrent states the target puts back), and the answers are transformers' greedy ones."""
     path = save_tiny_qwen3_next_with_mtp(tmp_path / "model", kind, near_bigram=0.02)
     check_every_draft(mtp_runner(path, 96, 4, 24), QwenMtpReference(path, tmp_path), K)
+
+
+def test_every_draft_of_a_qwen3_next_mtp_layer_of_random_weights_is_the_references(tmp_path):
+    """Without near_bigram's scaling the layer's attention (gated, partial RoPE, q/k norms) and routed
+    experts decide its drafts, not its projection alone: still every draft the reference's (few accepted)."""
+    path = save_tiny_qwen3_next_with_mtp(tmp_path / "model")
+    check_every_draft(mtp_runner(path, 96, 4, 24), QwenMtpReference(path, tmp_path), K, some_accepted=False)
 
 
 def test_a_model_without_an_mtp_layer_is_refused(tmp_path):
