@@ -154,7 +154,7 @@ def test_mamba_hybrids_recompute_what_a_prefix_cache_would_skip_and_verify_draft
     engine turns prefix caching off, since a hit would skip tokens whose recurrent state it does not
     keep; greedy tokens equal transformers' through chunked prefill and preemption (a model without
     attention keeps no KV, yet its blocks still bound what runs at once), the repeated prompts computed
-    again. With n-gram speculative decoding: a pass verifying drafts keeps each request's state after
+    again. With n-gram speculative decoding: a pass verifying drafts keeps each request's state before
     each draft, and one rejecting some puts the request back to the state after those it accepted, so
     every token's log-probability is still transformers' (from the prompt and the tokens before it)."""
     path = _model(tmp_path, kind)
@@ -165,18 +165,25 @@ def test_mamba_hybrids_recompute_what_a_prefix_cache_would_skip_and_verify_draft
     hf = load_hf(path)
     with torch.no_grad():
         expected = [hf_greedy(hf, prompt, 12) for prompt in prompts]
-        worst = 0.0
-        for prompt, out in zip(prompts, outputs, strict=True):
-            sample = out.outputs[0]
-            scores = torch.log_softmax(hf(torch.tensor([prompt + sample.token_ids])).logits[0].float(), -1)
-            for i, (token, row) in enumerate(zip(sample.token_ids, sample.logprobs, strict=True)):
-                worst = max(worst, abs(row[token].logprob - scores[len(prompt) - 1 + i, token].item()))
     assert [o.outputs[0].token_ids for o in outputs] == expected
-    assert worst < 1e-3, f"a token's logprob is {worst:.2e} off transformers'"
+    _assert_logprobs_are_transformers(hf, prompts, outputs)
     assert stats.num_preemptions > 0, "the KV pool was meant to force preemption"
     assert stats.prefix_cache_hits == 0 and stats.num_free_blocks == stats.num_blocks
     # (Some drafts rejected, their states put back; acceptance is the random model's, often none.)
     assert stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+
+
+@torch.no_grad()
+def _assert_logprobs_are_transformers(hf, prompts: list[list[int]], outputs) -> None:
+    """Each sampled token's logprob (logprobs=0) within 1e-3 of transformers' fp32 one, from the
+    prompt and the tokens before it."""
+    worst = 0.0
+    for prompt, out in zip(prompts, outputs, strict=True):
+        sample = out.outputs[0]
+        scores = torch.log_softmax(hf(torch.tensor([prompt + sample.token_ids])).logits[0].float(), -1)
+        for i, (token, row) in enumerate(zip(sample.token_ids, sample.logprobs, strict=True)):
+            worst = max(worst, abs(row[token].logprob - scores[len(prompt) - 1 + i, token].item()))
+    assert worst < 1e-3, f"a token's logprob is {worst:.2e} off transformers'"
 
 
 @pytest.mark.parametrize("kind", RECURRENT_KINDS)
@@ -241,13 +248,10 @@ def test_drafts_verified_beside_the_states_the_prefix_cache_keeps(tmp_path, kind
     finally:
         llm.shutdown()
     hf = load_hf(path)
+    prompts, outputs = [*PROMPTS, PROMPTS[4], turn], [*batch, again, next_turn]
     with torch.no_grad():
-        for prompt, out in zip([*PROMPTS, PROMPTS[4], turn], [*batch, again, next_turn], strict=True):
-            sample = out.outputs[0]
-            assert sample.token_ids == hf_greedy(hf, prompt, 12)
-            scores = torch.log_softmax(hf(torch.tensor([prompt + sample.token_ids])).logits[0].float(), -1)
-            for i, (token, row) in enumerate(zip(sample.token_ids, sample.logprobs, strict=True)):
-                assert abs(row[token].logprob - scores[len(prompt) - 1 + i, token].item()) < 1e-3
+        assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, prompt, 12) for prompt in prompts]
+    _assert_logprobs_are_transformers(hf, prompts, outputs)
     assert again.num_cached_tokens == 20
     # (45 prompt tokens and 11 computed answer tokens: a state at most at 56, kept by a decode past the prompt)
     assert 44 < next_turn.num_cached_tokens <= 56

@@ -44,19 +44,13 @@ class MtpReference:
         own = {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}
         self.enorm, self.hnorm, self.eh_proj = own["enorm.weight"], own["hnorm.weight"], own["eh_proj.weight"]
         self.eps = config["rms_norm_eps"]
-        layer = {f"model.layers.0.{name}": t for name, t in own.items()
+        layer = {name: t for name, t in own.items()
                  if not name.startswith(("enorm", "hnorm", "eh_proj", "embed_tokens", "shared_head"))}
-        layer.update({"model.norm.weight": own["shared_head.norm.weight"],
-                      "model.embed_tokens.weight": tensors["model.embed_tokens.weight"],
-                      "lm_head.weight": tensors["lm_head.weight"]})
-        (tmp / "mtp_reference").mkdir()
-        save_file(layer, tmp / "mtp_reference" / "model.safetensors", metadata={"format": "pt"})
         # (Its one layer routed, as the MTP layer of its number is.)
-        (tmp / "mtp_reference" / "config.json").write_text(json.dumps(
-            {**config, "num_hidden_layers": 1, "first_k_dense_replace": 0, "num_nextn_predict_layers": 0,
-             **({"mlp_layer_types": ["sparse"]} if "mlp_layer_types" in config else {}),
-             **({"layer_types": config["layer_types"][:1]} if "layer_types" in config else {})}))
-        self.layer = load_hf(tmp / "mtp_reference")
+        self.layer = one_layer_model(tmp, tensors, layer, own["shared_head.norm.weight"], {
+            **config, "first_k_dense_replace": 0, "num_nextn_predict_layers": 0,
+            **({"mlp_layer_types": ["sparse"]} if "mlp_layer_types" in config else {}),
+            **({"layer_types": config["layer_types"][:1]} if "layer_types" in config else {})})
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * weight
@@ -97,16 +91,10 @@ class QwenMtpReference(MtpReference):
         self.enorm = 1.0 + tensors["mtp.pre_fc_norm_embedding.weight"]
         self.hnorm = 1.0 + tensors["mtp.pre_fc_norm_hidden.weight"]
         self.eh_proj, self.eps = tensors["mtp.fc.weight"], config["rms_norm_eps"]
-        layer = {name.replace("mtp.layers.0.", "model.layers.0."): t for name, t in tensors.items()
-                 if name.startswith("mtp.layers.0.")}
-        layer.update({"model.norm.weight": tensors["mtp.norm.weight"],
-                      "model.embed_tokens.weight": tensors["model.embed_tokens.weight"],
-                      "lm_head.weight": tensors["lm_head.weight"]})
-        (tmp / "mtp_reference").mkdir()
-        save_file(layer, tmp / "mtp_reference" / "model.safetensors", metadata={"format": "pt"})
-        (tmp / "mtp_reference" / "config.json").write_text(json.dumps(
-            {**config, "num_hidden_layers": 1, "layer_types": ["full_attention"], "mtp_num_hidden_layers": 0}))
-        self.layer = load_hf(tmp / "mtp_reference")
+        prefix = "mtp.layers.0."
+        layer = {name.removeprefix(prefix): t for name, t in tensors.items() if name.startswith(prefix)}
+        self.layer = one_layer_model(tmp, tensors, layer, tensors["mtp.norm.weight"], {
+            **config, "layer_types": ["full_attention"], "mtp_num_hidden_layers": 0})
 
     @torch.no_grad()
     def drafts(self, sequence: list[int], k: int) -> list[int]:
@@ -123,6 +111,20 @@ class QwenMtpReference(MtpReference):
             inputs = torch.cat((inputs, embed(torch.tensor([drafts[-1]]))))
             hidden = torch.cat((hidden, out[-1:]))
         return drafts
+
+
+def one_layer_model(tmp: Path, target: dict[str, torch.Tensor], layer: dict[str, torch.Tensor],
+                    final_norm: torch.Tensor, config: dict):
+    """A one-layer transformers model of the target's kind (``config``, its layer count set to 1):
+    ``layer``'s tensors (named within the layer) as its layer, ``final_norm`` as its final norm, the
+    target's embedding and LM head."""
+    tensors = {f"model.layers.0.{name}": t for name, t in layer.items()}
+    tensors.update({"model.norm.weight": final_norm, "model.embed_tokens.weight": target["model.embed_tokens.weight"],
+                    "lm_head.weight": target["lm_head.weight"]})
+    (tmp / "mtp_reference").mkdir()
+    save_file(tensors, tmp / "mtp_reference" / "model.safetensors", metadata={"format": "pt"})
+    (tmp / "mtp_reference" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
+    return load_hf(tmp / "mtp_reference")
 
 
 def mtp_runner(path: Path, num_blocks: int, block_size: int, max_num_batched_tokens: int) -> ModelRunner:
