@@ -117,7 +117,7 @@ class ModelRunner:
         # The states the prefix cache keeps at block ends (--mamba-cache-mode align), in slots the
         # scheduler names (engine_core/core/recurrent_state_cache.py): one MambaState of that many rows
         # per mixer, beside the live ones; with speculative decoding num_spec_tokens more slots a live
-        # row after those (_draft_state_slot: a request's states after each draft a pass verifies).
+        # row after those (_draft_state_slot: a request's states before each draft a pass verifies).
         self.num_recurrent_state_slots = num_recurrent_state_slots
         self.kept_states: list[MambaState] = []
         self.block_size = 0

@@ -281,8 +281,8 @@ class Worker:
     def mamba_state_bytes(self) -> int:
         """The recurrent layers' states on this rank (its pipeline stage's layers'): a row for each of
         max_num_seqs requests, one for each state the prefix cache keeps (--mamba-cache-mode align), and
-        with speculative decoding num_spec_tokens more a request (its states after each draft a pass
-        verifies: the state a rejection leaves the request at)."""
+        with speculative decoding num_spec_tokens more a request (its states before each draft a pass
+        verifies: where a rejection puts the request back)."""
         config = self.model_config
         if config.mamba is None:
             return 0
