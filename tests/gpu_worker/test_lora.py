@@ -283,18 +283,23 @@ def _assert_pefts_tokens(tmp_path: Path, kind: str, targets: tuple[str, ...], se
 
 
 def test_an_adapter_on_a_moe_model_covers_attention_the_shared_expert_and_dense_layers(tmp_path):
-    """PEFT adapts a Qwen2-MoE's linear projections (attention, the shared expert, the dense layer's
-    MLP), not its stacked routed experts; served, it gives PEFT's tokens."""
+    """An adapter on a Qwen2-MoE's linear projections (attention, the shared expert, the dense layer's
+    MLP), not its stacked routed experts: served, it gives PEFT's tokens. (PEFT 0.22 on, the bare names
+    gate_proj / up_proj / down_proj also target the routed experts' fused parameters: named by their
+    modules here. Such an adapter is refused, below.)"""
     from safetensors import safe_open
 
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+               "shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj")
     base = save_tiny_model(tmp_path / "base", "qwen2_moe", mlp_only_layers=[0], vocab_size=251)
-    save_adapter(base, tmp_path / "a", seed=3)
+    save_adapter(base, tmp_path / "a", seed=3, targets=targets)
     with safe_open(str(tmp_path / "a" / "adapter_model.safetensors"), "pt") as f:
         names = list(f.keys())
     assert any(".mlp.shared_expert.gate_proj." in n for n in names)
     assert any(".layers.0.mlp.down_proj." in n for n in names)
     assert not any(".experts." in n for n in names)
-    adapters, prompts, expected = _adapter_a_expectations(base, tmp_path, adapter_seed=3, prompt_seed=9)
+    adapters, prompts, expected = _adapter_a_expectations(base, tmp_path, adapter_seed=3, prompt_seed=9,
+                                                          targets=targets)
     worker = _worker(base, adapters)
     assert _drive(worker.execute_model, adapters, prompts, max_loras=1) == expected
     # An adapter trained on routed experts (PEFT under transformers 4 could) is refused, by name.
@@ -308,6 +313,12 @@ def test_an_adapter_on_a_moe_model_covers_attention_the_shared_expert_and_dense_
     save_file(weights, str(tmp_path / "experts" / "adapter_model.safetensors"))
     with pytest.raises(ValueError, match=r"routed expert projection .*layers.1.mlp.experts.0.gate_proj"):
         worker.add_lora(LoRARequest("experts", 2, str(tmp_path / "experts")))
+    # One on the fused experts' parameters (PEFT's target_parameters; PEFT 0.22's default for the MLP
+    # names) is refused as such.
+    save_adapter(base, tmp_path / "fused", seed=3, targets=("q_proj",),
+                 parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
+    with pytest.raises(ValueError, match=r"LoRA on parameters rather than modules \(target_parameters\)"):
+        worker.add_lora(LoRARequest("fused", 3, str(tmp_path / "fused")))
 
 
 def test_an_adapter_on_gemma2_gives_pefts_tokens(tmp_path):
