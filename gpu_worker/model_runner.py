@@ -513,8 +513,9 @@ class ModelRunner:
             state = self.requests[req_id]
             state.token_ids.extend(draft)
             state.num_draft_tokens = len(draft)
-            end = state.num_computed_tokens + so.num_scheduled_tokens[req_id]
-            state.verified_drafts = (end - len(draft), end)
+            if self.mamba_mixers:  # (recurrent states to put back where drafts are not kept)
+                end = state.num_computed_tokens + so.num_scheduled_tokens[req_id]
+                state.verified_drafts = (end - len(draft), end)
         if not so.total_num_scheduled_tokens:
             return ModelRunnerOutput([], {}, [], None)
         if self.model is None or not self.block_size:
@@ -1130,14 +1131,10 @@ class ModelRunner:
         next pass's scheduled tokens): each one's recurrent states put back to those after the drafts
         kept."""
         rejected, self.requests.rejected_drafts = self.requests.rejected_drafts, {}
-        if not self.mamba_mixers:  # (a pipeline stage of attention layers alone: its KV is overwritten)
-            return
         rows = torch.tensor(list(rejected), dtype=torch.int64, device=self.device)
         slots = torch.tensor([self._draft_state_slot(row, n) for row, n in rejected.items()], dtype=torch.int64,
                              device=self.device)
-        for live, kept in zip(self.mamba_states, self.kept_states, strict=True):
-            live.conv.index_copy_(0, rows, kept.conv.index_select(0, slots))
-            live.ssm.index_copy_(0, rows, kept.ssm.index_select(0, slots))
+        self._copy_kept(rows, slots, into_rows=True)
 
     def _kept_state_positions(self, saves: dict[str, list[tuple[int, int]]], num_scheduled_tokens: dict[str, int]
                               ) -> tuple[dict[str, list[tuple[int, int]]], dict[str, int]]:
@@ -1178,9 +1175,13 @@ class ModelRunner:
         slots = torch.tensor(list(copies.values()), dtype=torch.int64)
         if restore:
             self._grow_mamba_states(int(rows.max()) + 1)
-        rows, slots = rows.to(self.device), slots.to(self.device)
+        self._copy_kept(rows.to(self.device), slots.to(self.device), into_rows=restore)
+
+    def _copy_kept(self, rows: torch.Tensor, slots: torch.Tensor, into_rows: bool) -> None:
+        """Every mixer's convolution and recurrent states of live ``rows`` from the kept ``slots``
+        (``into_rows``), or into them."""
         for live, kept in zip(self.mamba_states, self.kept_states, strict=True):
-            if restore:
+            if into_rows:
                 live.conv.index_copy_(0, rows, kept.conv.index_select(0, slots))
                 live.ssm.index_copy_(0, rows, kept.ssm.index_select(0, slots))
             else:

@@ -35,7 +35,8 @@ class RequestState:
     # Draft tokens (speculative decoding) at the end of token_ids that the pass which computed them
     # did not resolve on this rank (ranks other than 0 never learn which were kept).
     num_draft_tokens: int = 0
-    # The last pass that verified drafts for it, on every rank: (tokens computed before its drafts,
+    # The last pass that verified drafts for it, on every rank of a model with recurrent layers (set by
+    # the model runner): (tokens computed before its drafts,
     # tokens computed after it). Its recurrent states then cover all of them; the next update puts
     # them back to the scheduler's count where that is less (rejected drafts, or a stop among the
     # accepted ones): RequestStates.rejected_drafts.

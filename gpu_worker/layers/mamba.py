@@ -367,20 +367,17 @@ def mamba_step_metadata(rows: np.ndarray, query_start_loc: np.ndarray, device: t
         if np.array_equal(rows[single], np.arange(first, first + len(single))):
             span = (first, first + len(single))
     kept_within = kept_within or {}
-    stepped = [i for i in np.flatnonzero(lens > 1).tolist() if i in token_by_token]
+    stepped: list[int] = []
     prefills: list[tuple[int, int, int]] = []
     kept_after: dict[int, tuple[int, ...]] = {}
     for i in np.flatnonzero(lens > 1).tolist():
         if i in token_by_token:
+            stepped.append(i)
             continue
         chunk_start, end, row = int(query_start_loc[i]), int(query_start_loc[i + 1]), int(rows[i])
         start = chunk_start
-        for offset, slot in kept_within.get(i, ()):
-            if chunk_start < start == chunk_start + offset:
-                kept_after[len(prefills) - 1] += (slot,)  # (another slot for the state the last piece ended at)
-                continue
-            _check_kept_offset(i, chunk_start, start, offset, end)
-            kept_after[len(prefills)] = (slot,)
+        for offset, slots in _kept_offsets(i, int(lens[i]), kept_within.get(i, ())):
+            kept_after[len(prefills)] = slots
             prefills.append((start, chunk_start + offset, row))
             start = chunk_start + offset
         prefills.append((start, end, row))
@@ -388,10 +385,19 @@ def mamba_step_metadata(rows: np.ndarray, query_start_loc: np.ndarray, device: t
                              _token_steps(stepped, rows, query_start_loc, kept_within, device))
 
 
-def _check_kept_offset(request: int, chunk_start: int, last: int, offset: int, end: int) -> None:
-    if not last < chunk_start + offset < end:
-        raise ValueError(f"a state kept {offset} tokens into a chunk of {end - chunk_start} (request {request}): "
-                         "the kept positions must lie inside the chunk, ascending")
+def _kept_offsets(request: int, length: int, kept: list[tuple[int, int]]) -> list[tuple[int, tuple[int, ...]]]:
+    """A chunk's kept states ([(tokens into the chunk, slot)], ascending) as [(offset, its slots)]:
+    a position named again adds a slot. ValueError unless each lies inside the chunk, ascending."""
+    grouped: list[tuple[int, tuple[int, ...]]] = []
+    for offset, slot in kept:
+        if grouped and grouped[-1][0] == offset:
+            grouped[-1] = (offset, grouped[-1][1] + (slot,))
+            continue
+        if not (grouped[-1][0] if grouped else 0) < offset < length:
+            raise ValueError(f"a state kept {offset} tokens into a chunk of {length} (request {request}): "
+                             "the kept positions must lie inside the chunk, ascending")
+        grouped.append((offset, (slot,)))
+    return grouped
 
 
 def _token_steps(requests: list[int], rows: np.ndarray, query_start_loc: np.ndarray,
@@ -403,13 +409,8 @@ def _token_steps(requests: list[int], rows: np.ndarray, query_start_loc: np.ndar
     lens = np.diff(query_start_loc)
     kept: list[list[tuple[int, int]]] = [[] for _ in range(int(lens[requests].max()))]  # per step: (row, slot)
     for i in requests:
-        chunk_start, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
-        last = chunk_start
-        for offset, slot in kept_within.get(i, ()):
-            if not chunk_start < last == chunk_start + offset:  # (else a position named again: another slot)
-                _check_kept_offset(i, chunk_start, last, offset, end)
-                last = chunk_start + offset
-            kept[offset - 1].append((int(rows[i]), slot))
+        for offset, slots in _kept_offsets(i, int(lens[i]), kept_within.get(i, ())):
+            kept[offset - 1] += [(int(rows[i]), slot) for slot in slots]
 
     def tensor(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=device)
