@@ -85,7 +85,7 @@ def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, WeightLike]]:
 # One expert's projection in a checkpoint (Qwen-MoE's names, and Mixtral's w1/w3/w2), stored in our
 # stacked FusedMoE parameters: (parameter, projection shard).
 _EXPERT_TENSOR = re.compile(r"^(?P<experts>.+\.experts)\.(?P<index>\d+)\.(?P<proj>\w+)\.weight$")
-_EXPERT_PROJECTIONS = {"gate_proj": ("w13_weight", GATE), "w1": ("w13_weight", GATE),
+EXPERT_PROJECTIONS = {"gate_proj": ("w13_weight", GATE), "w1": ("w13_weight", GATE),
                        "up_proj": ("w13_weight", UP), "w3": ("w13_weight", UP),
                        "down_proj": ("w2_weight", DOWN), "w2": ("w2_weight", DOWN)}
 # Or every expert of a layer in one tensor, as transformers 5 holds them (no ".weight" suffix), and
@@ -99,8 +99,8 @@ def _expert_parameter(hf_name: str, params: dict[str, nn.Parameter]) -> tuple[st
     """(our stacked parameter, (expert or ALL_EXPERTS, projection)) for a routed expert's tensor,
     else None."""
     match = _EXPERT_TENSOR.match(hf_name)
-    if match is not None and match["proj"] in _EXPERT_PROJECTIONS:
-        suffix, projection = _EXPERT_PROJECTIONS[match["proj"]]
+    if match is not None and match["proj"] in EXPERT_PROJECTIONS:
+        suffix, projection = EXPERT_PROJECTIONS[match["proj"]]
         expert = int(match["index"])
     elif (match := _STACKED_EXPERTS.match(hf_name)) is not None:
         stack, projection = _STACKED_PROJECTIONS[match["proj"]]

@@ -9,20 +9,22 @@ import torch
 
 
 def peft_model(base_dir: Path, seed: int = 0, r: int = 8, alpha: float = 16.0,
-               targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                           "down_proj"),
-               use_rslora: bool = False, scale: float = 0.15, parameters: tuple[str, ...] = ()):
-    """The base model with a random LoRA adapter on ``targets`` (and on the parameters ``parameters``
-    names: PEFT's target_parameters) (B is not zero, unlike PEFT's default init, so the adapter changes
-    the outputs)."""
+               targets: tuple[str, ...] | str = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                 "down_proj"),
+               use_rslora: bool = False, scale: float = 0.15, parameters: tuple[str, ...] = (), **settings):
+    """The base model with a random LoRA adapter on ``targets`` (a list of names, or one string PEFT reads
+    as a regular expression or "all-linear") and on the parameters ``parameters`` names (PEFT's
+    target_parameters), with LoraConfig's other ``settings`` (rank_pattern, ...) (B is not zero, unlike
+    PEFT's default init, so the adapter changes the outputs)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, attn_implementation="eager")
     torch.manual_seed(seed)
-    model = get_peft_model(base, LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets),
+    modules = targets if isinstance(targets, str) else list(targets)
+    model = get_peft_model(base, LoraConfig(r=r, lora_alpha=alpha, target_modules=modules,
                                             target_parameters=list(parameters) or None, use_rslora=use_rslora,
-                                            lora_dropout=0.0, init_lora_weights=False))
+                                            lora_dropout=0.0, init_lora_weights=False, **settings))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_" in name:

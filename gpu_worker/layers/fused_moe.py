@@ -25,6 +25,7 @@ projection's bias is held on rank 0 only (zeros elsewhere), so the all-reduce co
 from __future__ import annotations
 
 from functools import cache
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,9 @@ from torch import nn
 from gpu_worker.layers.activation import clamped_silu_and_mul
 from gpu_worker.layers.linear import divide_for_tp, tp_rank_and_size
 from gpu_worker.layers.weight_utils import WeightLike, copy_into
+
+if TYPE_CHECKING:
+    from gpu_worker.lora.experts import ExpertsDelta, ExpertsLoRA
 
 # Shard ids of one expert's projections within the stacked parameters: (expert, projection).
 GATE, UP, DOWN = 0, 1, 2
@@ -267,6 +271,8 @@ class FusedMoE(nn.Module):
 
     # None: grouped_mm wherever it has a kernel; tests set False to run the per-expert loop.
     grouped_mm: bool | None = None
+    # The LoRA adapters' deltas on the experts' projections (gpu_worker.lora.manager.wrap_model sets it).
+    lora: ExpertsLoRA | None = None
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         flat_ids = topk_ids.reshape(-1)
@@ -282,14 +288,16 @@ class FusedMoE(nn.Module):
         rows = hidden.index_select(0, tokens)
         if self.weights_on_inputs:
             rows = rows * weights
+        # (Each adapter of the pass that trains these experts, with the rows that run under it.)
+        deltas = self.lora.deltas(tokens, hidden.shape[0], rows.dtype) if self.lora is not None else []
         if self.use_grouped_mm(hidden):
             # Where each expert's rows end: the number of sorted ids up to it (computed on the device).
             ends = torch.arange(1, num_local + 1, device=sorted_ids.device, dtype=sorted_ids.dtype)
             expert_out = self._grouped(rows, torch.searchsorted(sorted_ids, ends, out_int32=True),
-                                       sorted_ids.clamp(max=num_local - 1))
+                                       sorted_ids.clamp(max=num_local - 1), deltas)
         else:
             counts = torch.bincount(flat_ids, minlength=num_local + 1)[:num_local]
-            expert_out = self._per_expert(rows, counts.tolist())
+            expert_out = self._per_expert(rows, counts.tolist(), deltas)
         if self.expert_parallel:
             # The rows routed elsewhere were not computed (whatever they hold): they add nothing here.
             expert_out = torch.where((sorted_ids < num_local).unsqueeze(1), expert_out, 0)
@@ -308,28 +316,42 @@ class FusedMoE(nn.Module):
             return clamped_silu_and_mul(gate, up, self.swiglu_limit)
         return F.silu(gate).mul_(up)
 
-    def _grouped(self, rows: torch.Tensor, offsets: torch.Tensor, row_experts: torch.Tensor) -> torch.Tensor:
+    def _grouped(self, rows: torch.Tensor, offsets: torch.Tensor, row_experts: torch.Tensor,
+                 deltas: list[ExpertsDelta]) -> torch.Tensor:
         """``row_experts``: each row's local expert (any for the rows another rank computes)."""
         # [experts, in, out] views: on the CPU, the storage itself.
         gate_up = F.grouped_mm(rows, self.w13_weight.transpose(1, 2), offs=offsets)
         if self.w13_bias is not None:
             gate_up += self.w13_bias.index_select(0, row_experts)
-        out = F.grouped_mm(self._act(gate_up), self.w2_weight.transpose(1, 2), offs=offsets)
+        for delta in deltas:
+            delta.add_grouped(gate_up, rows, delta.gate_up, offsets)
+        activated = self._act(gate_up)
+        out = F.grouped_mm(activated, self.w2_weight.transpose(1, 2), offs=offsets)
         if self.w2_bias is not None:
             out += self.w2_bias.index_select(0, row_experts)
+        for delta in deltas:
+            delta.add_grouped(out, activated, delta.down, offsets)
         return out
 
-    def _per_expert(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def _per_expert(self, rows: torch.Tensor, counts: list[int], deltas: list[ExpertsDelta]) -> torch.Tensor:
         out = torch.empty_like(rows)
         end = 0
         for expert, count in enumerate(counts):
             if not count:
                 continue
             start, end = end, end + count
+            part = slice(start, end)
             if self.w13_bias is None:
-                gate_up = F.linear(rows[start:end], self.w13_weight[expert])
-                torch.mm(self._act(gate_up), self.w2_weight[expert].t(), out=out[start:end])
+                gate_up = F.linear(rows[part], self.w13_weight[expert])
             else:
-                gate_up = F.linear(rows[start:end], self.w13_weight[expert], self.w13_bias[expert])
-                out[start:end] = F.linear(self._act(gate_up), self.w2_weight[expert], self.w2_bias[expert])
+                gate_up = F.linear(rows[part], self.w13_weight[expert], self.w13_bias[expert])
+            for delta in deltas:
+                delta.add_one_expert(gate_up, rows[part], delta.gate_up, expert, part)
+            activated = self._act(gate_up)
+            if self.w2_bias is None:
+                torch.mm(activated, self.w2_weight[expert].t(), out=out[part])
+            else:
+                out[part] = F.linear(activated, self.w2_weight[expert], self.w2_bias[expert])
+            for delta in deltas:
+                delta.add_one_expert(out[part], activated, delta.down, expert, part)
         return out

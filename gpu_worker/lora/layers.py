@@ -26,7 +26,9 @@ from gpu_worker.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 @dataclass
 class AdapterShard:
-    """One adapter on one rank: per wrapped layer, (A^T [in, R], B^T [R, out]) with the scaling in B."""
+    """One adapter on one rank: per wrapped layer, (A^T [in, R], B^T [R, out]) with the scaling in B;
+    per routed experts' projection (``<experts>.w13_weight`` / ``.w2_weight``: gpu_worker.lora.experts),
+    (A [E, R, in], B [E, out, R]) stacks in the experts' layout, the scaling in B."""
 
     lora_int_id: int
     lora_name: str
@@ -40,6 +42,23 @@ Rows = list[slice] | None  # None: every row of the batch
 @dataclass
 class LoRABatch:
     groups: list[tuple[AdapterShard, Rows]] = field(default_factory=list)
+    # Per adapter of the pass with some of its rows: a [rows, 1] mask of those rows (routed experts
+    # read it per layer, gpu_worker.lora.experts), made once a pass.
+    _token_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def set_groups(self, groups: list[tuple[AdapterShard, Rows]]) -> None:
+        self.groups = groups
+        self._token_masks = {}
+
+    def token_mask(self, lora_int_id: int, rows: list[slice], num_tokens: int, dtype: torch.dtype,
+                   device: torch.device) -> torch.Tensor:
+        mask = self._token_masks.get(lora_int_id)
+        if mask is None or mask.shape[0] != num_tokens or mask.dtype != dtype:
+            mask = torch.zeros(num_tokens, 1, dtype=dtype)
+            for part in rows:
+                mask[part] = 1
+            mask = self._token_masks[lora_int_id] = mask.to(device, non_blocking=True)
+        return mask
 
 
 # The attribute holding the wrapped projection: its parameters are named "<path>.base.<name>".
@@ -47,12 +66,25 @@ LORA_BASE = "base"
 
 
 class LoRALinear(nn.Module):
-    def __init__(self, base: ColumnParallelLinear | RowParallelLinear, path: str, batch: LoRABatch) -> None:
+    def __init__(self, base: ColumnParallelLinear | RowParallelLinear | nn.Linear, path: str, batch: LoRABatch) -> None:
+        """``base`` a plain ``nn.Linear``: a layer every rank holds whole (an MoE router), computed as
+        a column-parallel one of one rank is."""
         super().__init__()
         self.base = base
         self.path = path
         self.batch = batch
         self.row_parallel = isinstance(base, RowParallelLinear)
+        self.gather_output = getattr(base, "gather_output", False)
+
+    def __getattr__(self, name: str):
+        """What the model reads of the wrapped layer besides its forward (a router's
+        e_score_correction_bias) is the wrapped layer's."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if LORA_BASE not in self._modules:
+                raise
+            return getattr(self._modules[LORA_BASE], name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         groups = self.batch.groups
@@ -70,7 +102,7 @@ class LoRALinear(nn.Module):
             return out
         out = F.linear(x, base.weight, base.bias)
         self._add_deltas(x, out, groups)
-        if base.gather_output:
+        if self.gather_output:
             out = distributed.all_gather(out, dim=-1)
         return out
 

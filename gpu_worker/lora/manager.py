@@ -21,14 +21,17 @@ import torch
 from torch import nn
 
 from engine_core.outputs import LoRARequest
+from gpu_worker.layers.fused_moe import ALL_EXPERTS, DOWN, GATE, UP, FusedMoE
 from gpu_worker.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
 )
+from gpu_worker.lora.experts import ExpertsLoRA
 from gpu_worker.lora.layers import AdapterShard, LoRABatch, LoRALinear, Rows
 from gpu_worker.lora.peft_adapter import TARGET_MODULES, PeftAdapter, load_peft_adapter
+from gpu_worker.weights import EXPERT_PROJECTIONS
 
 logger = logging.getLogger(__name__)
 
@@ -43,23 +46,41 @@ def _full_output_size(base: ColumnParallelLinear, shard_id: int | str | None) ->
     return base.output_size
 
 
+# An MoE block's layers every rank holds whole that adapters may train: its router, and Qwen2-MoE's
+# shared expert's gate (plain nn.Linear layers beside the block's FusedMoE ``experts``).
+_ROUTER_NAMES = ("gate", "shared_expert_gate")
+
+
 def wrap_model(model: nn.Module, batch: LoRABatch) -> dict[str, LoRALinear]:
     """Replace the model's projections that adapters may train by LoRA wrappers (after the weights
     are loaded: parameter names keep their checkpoint form until then): those of the names adapters
-    train in every model, and those a layer names in its ``lora_targets`` (a recurrent mixer's
-    in_proj and out_proj). Returns them by path."""
+    train in every model, those a layer names in its ``lora_targets`` (a recurrent mixer's in_proj
+    and out_proj), and an MoE block's router. Returns them by path."""
     targets = set(TARGET_MODULES) | {fused for fused, _ in getattr(model, "packed_modules_mapping", {}).values()}
     wrapped: dict[str, LoRALinear] = {}
     for path, module in list(model.named_modules()):
         name = path.rsplit(".", 1)[-1]
-        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            continue
         parent = model.get_submodule(path.rsplit(".", 1)[0]) if "." in path else model
-        if name in targets or name in getattr(parent, "lora_targets", ()):
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            wrap = name in targets or name in getattr(parent, "lora_targets", ())
+        else:
+            wrap = (type(module) is nn.Linear and name in _ROUTER_NAMES
+                    and isinstance(getattr(parent, "experts", None), FusedMoE))
+        if wrap:
             wrapper = LoRALinear(module, path, batch)
             setattr(parent, name, wrapper)
             wrapped[path] = wrapper
     return wrapped
+
+
+def wrap_experts(model: nn.Module, batch: LoRABatch) -> dict[str, FusedMoE]:
+    """Give each of the model's routed-experts layers its adapters' deltas; returns them by path."""
+    experts = {}
+    for path, module in model.named_modules():
+        if isinstance(module, FusedMoE):
+            module.lora = ExpertsLoRA(path, batch)
+            experts[path] = module
+    return experts
 
 
 def adapter_module_names(model: nn.Module) -> Callable[[str], str | None]:
@@ -86,14 +107,36 @@ def adapter_module_names(model: nn.Module) -> Callable[[str], str | None]:
     return ours
 
 
+def _copy_whole_experts(moe: FusedMoE, into: torch.Tensor, loaded: torch.Tensor, expert: int, size: int,
+                        what: str) -> None:
+    """An adapter's A (or B) of one expert ([R, size] / [size, R]), or of every expert ([experts, ...]),
+    whose ``size`` dimension is not split over ranks: into this rank's experts in ``into``."""
+    dim = -1 if what.startswith("lora_A") else -2
+    if loaded.shape[dim] != size:
+        raise ValueError(f"{what} are {loaded.shape[dim]}, the experts' {size}")
+    if expert == ALL_EXPERTS:
+        if loaded.shape[0] != moe.num_experts:
+            raise ValueError(f"it has {loaded.shape[0]} experts, the layer {moe.num_experts}")
+        into.copy_(loaded.narrow(0, moe.first_expert, moe.num_local_experts))
+        return
+    if not 0 <= expert < moe.num_experts:
+        raise ValueError(f"expert {expert} is out of range: the layer has {moe.num_experts}")
+    local = expert - moe.first_expert
+    if 0 <= local < moe.num_local_experts:  # (else another rank's expert)
+        into[local].copy_(loaded)
+
+
 class LoRAManager:
     def __init__(self, model: nn.Module, max_lora_rank: int, device: torch.device, dtype: torch.dtype,
                  max_resident: int | None = None, max_cpu: int | None = None) -> None:
         self.batch = LoRABatch()
         self.layers = wrap_model(model, self.batch)
+        self.experts = wrap_experts(model, self.batch)
         self.packed: dict[str, tuple[str, int | str]] = dict(getattr(model, "packed_modules_mapping", {}))
         # A model whose base weights' rows were reordered at load reorders an adapter's B alike (DeepSeek).
         self._b_rows: Callable[[str, torch.Tensor], torch.Tensor] = getattr(model, "lora_b_rows", lambda _m, b: b)
+        # A model whose checkpoint stacks its experts [experts, in, out] (Llama 4's).
+        self._stacked_experts_in_out = getattr(model, "lora_stacked_experts_in_out", False)
         self.module_names = adapter_module_names(model)
         # Under pipeline parallelism, the layers other stages hold (their adapter weights are theirs).
         self.pp_missing_prefixes: tuple[str, ...] = tuple(getattr(model, "pp_missing_prefixes", ()))
@@ -225,14 +268,25 @@ class LoRAManager:
                     rows = [slice(int(query_start_loc[run[0]]), int(query_start_loc[run[-1] + 1]))
                             for run in np.split(reqs, breaks)]
                 groups.append((adapter, rows))
-        self.batch.groups = groups
+        self.batch.set_groups(groups)
 
     # -- sharding -------------------------------------------------------------------------------
 
     def _shard(self, lora: LoRARequest, peft: PeftAdapter) -> AdapterShard:
         # Our path of each trained projection -> {shard id (None when not fused): (A, B)}.
         by_layer: dict[str, dict[int | str | None, tuple[torch.Tensor, torch.Tensor]]] = {}
+        # Our path of each routed-experts layer trained -> (expert or ALL_EXPERTS, projection, A, B).
+        by_experts: dict[str, list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}
         for module, (a, b) in peft.weights.items():
+            experts = self._experts_projection(module)
+            if experts is not None and experts[1] == ALL_EXPERTS and self._stacked_experts_in_out:
+                # (PEFT's [experts, out, in] reading of an [experts, in, out] stack: its A takes the outputs.)
+                a, b = b.transpose(1, 2), a.transpose(1, 2)
+            b = self._b_rows(module, b.float()) * peft.scaling_of(module)
+            if experts is not None:
+                path, expert, projection = experts
+                by_experts.setdefault(path, []).append((expert, projection, a.float(), b))
+                continue
             prefix, _, name = module.rpartition(".")
             # (A projection of its own name is not a shard: an ungated MLP's up_proj, Arcee's.)
             fused, shard_id = (name, None) if module in self.layers else self.packed.get(name, (name, None))
@@ -240,24 +294,88 @@ class LoRAManager:
             if path not in self.layers and f"{path}.".startswith(self.pp_missing_prefixes):
                 continue  # (a layer another pipeline stage holds: its own rank loads this part)
             if path not in self.layers:
-                if ".experts." in module:
-                    raise ValueError(f"LoRA adapter {lora.lora_path}: it adapts the routed expert projection "
-                                     f"{module!r}; adapters on routed experts are not served (attention, "
-                                     "shared-expert and dense MLP projections are)")
                 raise ValueError(f"LoRA adapter {lora.lora_path}: the model has no projection {module!r}")
-            by_layer.setdefault(path, {})[shard_id] = (a.float(), self._b_rows(module, b.float()) * peft.scaling)
+            by_layer.setdefault(path, {})[shard_id] = (a.float(), b)
         layers = {}
         for path, subs in by_layer.items():
             base = self.layers[path].base
             try:
-                a, b = (self._row_parallel(base, subs[None]) if isinstance(base, RowParallelLinear)
-                        else self._column_parallel(base, subs))
+                if isinstance(base, RowParallelLinear):
+                    a, b = self._row_parallel(base, subs[None])
+                elif isinstance(base, ColumnParallelLinear):
+                    a, b = self._column_parallel(base, subs)
+                else:  # (a layer every rank holds whole: a router)
+                    a, b = self._whole(base, subs[None])
             except (ValueError, RuntimeError, IndexError) as e:
                 raise ValueError(f"LoRA adapter {lora.lora_path}: its weights for {path} do not fit the model "
                                  f"({e})") from None
-            # (On the host here: add_adapter places them.)
-            layers[path] = (a.t().contiguous().to(self.dtype), b.t().contiguous().to(self.dtype))
+            # (On the host here: add_adapter places them. A router computed in fp32 takes them so.)
+            dtype = base.weight.dtype if type(base) is nn.Linear else self.dtype
+            layers[path] = (a.t().contiguous().to(dtype), b.t().contiguous().to(dtype))
+        for path, pieces in by_experts.items():
+            try:
+                layers.update(self._experts_stacks(path, self.experts[path], pieces))
+            except (ValueError, RuntimeError, IndexError) as e:
+                raise ValueError(f"LoRA adapter {lora.lora_path}: its weights for the routed experts {path} do not "
+                                 f"fit the model ({e})") from None
         return AdapterShard(lora.lora_int_id, lora.lora_name, lora.lora_path, layers)
+
+    def _experts_projection(self, module: str) -> tuple[str, int, int] | None:
+        """(our routed-experts layer, expert or ALL_EXPERTS, projection) an adapter's module trains
+        (``<experts>.gate_up_proj``: every expert's gate and up projections, as their weights load), or
+        None for a module that is not one of the experts' projections."""
+        prefix, _, name = module.rpartition(".")
+        if prefix in self.experts:  # (a stacked parameter of every expert)
+            return prefix, ALL_EXPERTS, {"gate_up_proj": GATE, "up_proj": UP, "down_proj": DOWN}[name]
+        experts, _, index = prefix.rpartition(".")
+        if experts in self.experts and index.isdigit() and name in EXPERT_PROJECTIONS:
+            return experts, int(index), EXPERT_PROJECTIONS[name][1]
+        return None
+
+    @staticmethod
+    def _experts_stacks(path: str, moe: FusedMoE, pieces: list[tuple[int, int, torch.Tensor, torch.Tensor]]
+                        ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The adapter's (A [local experts, R, in], B [local experts, out, R]) stacks for the experts'
+        gate/up and down projections, sharded as the experts' weights are: each rank's slice of every
+        expert's width (B's gate and up rows, down's A columns, put in place by the experts' own
+        weight loader), or under expert parallelism its own experts whole. Each kind of piece (every
+        expert's stacked projection, or one expert's gate, up or down projection) has its own
+        columns of R, so gate and up trained apart keep apart (block diagonal B)."""
+        hidden, width = moe.w2_weight.shape[1], moe.intermediate_size_per_partition
+        stacks = {}
+        for key, projections, a_width, b_rows in ((f"{path}.w13_weight", (GATE, UP), hidden, moe.w13_weight.shape[1]),
+                                                  (f"{path}.w2_weight", (DOWN,), width, hidden)):
+            mine = [piece for piece in pieces if piece[1] in projections]
+            if not mine:
+                continue
+            columns: dict[tuple[bool, int], int] = {}  # each kind of piece -> its rank
+            for expert, projection, a, _ in mine:
+                kind = (expert == ALL_EXPERTS, projection)
+                columns[kind] = max(columns.get(kind, 0), a.shape[-2])
+            starts = dict(zip(columns, np.cumsum([0, *columns.values()]).tolist(), strict=False))
+            # (R a multiple of 8: grouped_mm's rows must be 16-byte multiples wide.)
+            rank = -(-sum(columns.values()) // 8) * 8
+            a_stack = torch.zeros(moe.num_local_experts, rank, a_width)
+            b_stack = torch.zeros(moe.num_local_experts, b_rows, rank)
+            for expert, projection, a, b in mine:
+                start = starts[(expert == ALL_EXPERTS, projection)]
+                cols = slice(start, start + a.shape[-2])
+                if projection == DOWN:  # A's inputs are the experts' width: this rank's columns
+                    moe.weight_loader(a_stack[:, cols], a, (expert, DOWN))
+                    _copy_whole_experts(moe, b_stack[:, :, cols], b, expert, hidden, "lora_B's outputs")
+                else:  # B's outputs are the gate / up rows: this rank's
+                    _copy_whole_experts(moe, a_stack[:, cols], a, expert, hidden, "lora_A's inputs")
+                    moe.weight_loader(b_stack[:, :, cols], b, (expert, projection))
+            stacks[key] = (a_stack, b_stack)
+        return stacks
+
+    @staticmethod
+    def _whole(base: nn.Linear, ab: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = ab
+        if a.shape[1] != base.in_features or b.shape[0] != base.out_features:
+            raise ValueError(f"lora_A has {a.shape[1]} inputs and lora_B {b.shape[0]} outputs, the layer "
+                             f"{base.in_features} and {base.out_features}")
+        return a, b
 
     @staticmethod
     def _row_parallel(base: RowParallelLinear, ab: tuple[torch.Tensor, torch.Tensor]

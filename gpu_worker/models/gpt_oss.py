@@ -47,3 +47,16 @@ class GptOssForCausalLM(LlamaForCausalLM):
                 yield name, materialize(tensor).transpose(1, 2)
             else:
                 yield name, tensor
+
+    @staticmethod
+    def lora_module_name(module: str) -> str:
+        """An adapter's router (GPT-OSS's ``mlp.router``) is our ``mlp.gate``."""
+        return f"{module}.".replace(".mlp.router.", ".mlp.gate.")[:-1]
+
+    @staticmethod
+    def lora_b_rows(module: str, b: torch.Tensor) -> torch.Tensor:
+        """An adapter's B on the experts' stacked gate_up_proj ([experts, 2 x width, R]), its rows (gate
+        and up interleaved, as the weight's columns are) gate, then up, as the weight was loaded."""
+        if module.endswith(".mlp.experts.gate_up_proj"):
+            return torch.cat((b[:, 0::2], b[:, 1::2]), dim=1)
+        return b

@@ -753,8 +753,15 @@ class GraniteMoeForCausalLM(GraniteForCausalLM):
                 (".block_sparse_moe.experts.", ".mlp.experts."),
                 (".block_sparse_moe.router.weight", ".mlp.gate.weight"))
 
+    # An adapter's modules (and a stacked parameter's module): the routed experts' and the router's.
+    _RENAMED_MODULES = ((".block_sparse_moe.experts.", ".mlp.experts."),
+                        (".block_sparse_moe.router.layer.", ".mlp.gate."), (".block_sparse_moe.router.", ".mlp.gate."))
+
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         return ((rename_first(name, self._RENAMED), tensor) for name, tensor in weights)
+
+    def lora_module_name(self, module: str) -> str:
+        return rename_first(f"{module}.", self._RENAMED_MODULES)[:-1]
 
 
 class GraniteMoeSharedForCausalLM(GraniteMoeForCausalLM):
@@ -777,7 +784,7 @@ class GraniteMoeSharedForCausalLM(GraniteMoeForCausalLM):
         """An adapter's shared-MLP projections as ours: input_linear (its gate rows, then its up rows)
         our fused gate_up_proj, output_linear our down_proj."""
         shared = ".mlp.shared_experts." if self.config.num_experts else ".mlp."
-        return (f"{module}.".replace(".shared_mlp.input_linear.", f"{shared}gate_up_proj.")
+        return (f"{super().lora_module_name(module)}.".replace(".shared_mlp.input_linear.", f"{shared}gate_up_proj.")
                 .replace(".shared_mlp.output_linear.", f"{shared}down_proj."))[:-1]
 
 
@@ -821,7 +828,12 @@ class MixtralForCausalLM(LlamaForCausalLM):
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         for name, tensor in weights:
-            yield name.replace(".block_sparse_moe.", ".mlp."), tensor
+            yield self.lora_module_name(name), tensor
+
+    @staticmethod
+    def lora_module_name(name: str) -> str:
+        """Transformers 4's Mixtral named the MLP ``block_sparse_moe`` (as do adapters trained on it)."""
+        return name.replace(".block_sparse_moe.", ".mlp.")
 
 
 class PhimoeDecoderLayer(LlamaDecoderLayer):

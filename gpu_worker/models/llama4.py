@@ -106,6 +106,9 @@ class Llama4Model(LlamaModel):
 class Llama4ForCausalLM(PairedRopeForCausalLM):
     model_class = Llama4Model
     _RENAMED = ((".feed_forward.router.", ".mlp.gate."), (".feed_forward.", ".mlp."))
+    # The checkpoint's stacked experts are [experts, in, out], which PEFT reads as [experts, out, in]:
+    # an adapter's lora_A on them is on their outputs' side, its lora_B on their inputs' (LoRAManager).
+    lora_stacked_experts_in_out = True
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         return super().checkpoint_tensors(self._renamed(weights))

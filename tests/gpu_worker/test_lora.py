@@ -155,7 +155,8 @@ def _edited_copy(src: str, dst: Path, **config_changes) -> Path:
     ({"lora_bias": True}, "bias on lora_B"),
     ({"bias": "all"}, "trained biases"),
     ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
-    ({"rank_pattern": {"q_proj": 4}}, "rank_pattern"),
+    ({"rank_pattern": {"q_proj": "four"}}, "rank_pattern must map module patterns to positive numbers"),
+    ({"alpha_pattern": {"q_proj(": 4}}, "alpha_pattern key 'q_proj\\(' is not a regular expression"),
     ({"peft_type": "IA3"}, "not LORA"),
     ({"r": 32}, "above --max-lora-rank 8"),
     ({"init_lora_weights": "pissa"}, "change the base model's weights"),
@@ -284,9 +285,9 @@ def _assert_pefts_tokens(tmp_path: Path, kind: str, targets: tuple[str, ...], se
 
 def test_an_adapter_on_a_moe_model_covers_attention_the_shared_expert_and_dense_layers(tmp_path):
     """An adapter on a Qwen2-MoE's linear projections (attention, the shared expert, the dense layer's
-    MLP), not its stacked routed experts: served, it gives PEFT's tokens. (PEFT 0.22 on, the bare names
-    gate_proj / up_proj / down_proj also target the routed experts' fused parameters: named by their
-    modules here. Such an adapter is refused, below.)"""
+    MLP), not its routed experts: served, it gives PEFT's tokens. (PEFT 0.22 on, the bare names
+    gate_proj / up_proj / down_proj also target the routed experts' stacked parameters: named by their
+    modules here. Adapters on the routed experts: test_lora_experts.py.)"""
     from safetensors import safe_open
 
     targets = ("q_proj", "k_proj", "v_proj", "o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
@@ -300,25 +301,23 @@ def test_an_adapter_on_a_moe_model_covers_attention_the_shared_expert_and_dense_
     assert not any(".experts." in n for n in names)
     adapters, prompts, expected = _adapter_a_expectations(base, tmp_path, adapter_seed=3, prompt_seed=9,
                                                           targets=targets)
-    worker = _worker(base, adapters)
-    assert _drive(worker.execute_model, adapters, prompts, max_loras=1) == expected
-    # An adapter trained on routed experts (PEFT under transformers 4 could) is refused, by name.
-    import shutil
+    assert _drive(_worker(base, adapters).execute_model, adapters, prompts, max_loras=1) == expected
 
-    from safetensors.torch import load_file, save_file
-    shutil.copytree(tmp_path / "a", tmp_path / "experts")
-    weights = load_file(str(tmp_path / "experts" / "adapter_model.safetensors"))
-    prefix = "base_model.model.model.layers.1.mlp.experts.0.gate_proj"
-    weights[f"{prefix}.lora_A.weight"], weights[f"{prefix}.lora_B.weight"] = torch.zeros(8, 64), torch.zeros(32, 8)
-    save_file(weights, str(tmp_path / "experts" / "adapter_model.safetensors"))
-    with pytest.raises(ValueError, match=r"routed expert projection .*layers.1.mlp.experts.0.gate_proj"):
-        worker.add_lora(LoRARequest("experts", 2, str(tmp_path / "experts")))
-    # One on the fused experts' parameters (PEFT's target_parameters; PEFT 0.22's default for the MLP
-    # names) is refused as such.
-    save_adapter(base, tmp_path / "fused", seed=3, targets=("q_proj",),
-                 parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
-    with pytest.raises(ValueError, match=r"LoRA on parameters rather than modules \(target_parameters\)"):
-        worker.add_lora(LoRARequest("fused", 3, str(tmp_path / "fused")))
+
+def test_per_module_ranks_and_alphas_give_pefts_tokens(tmp_path):
+    """rank_pattern / alpha_pattern (PEFT's per-module rank and alpha, matched at the end of a module's
+    name): each module's own scaling."""
+    settings = dict(rank_pattern={"q_proj": 4, r"layers\.1\.mlp\.down_proj": 2}, alpha_pattern={"v_proj": 32})
+    base = save_tiny_model(tmp_path / "base", vocab_size=251)
+    save_adapter(base, tmp_path / "a", seed=6, **settings)
+    adapter = load_peft_adapter(tmp_path / "a", max_lora_rank=8)
+    assert adapter.weights["model.layers.0.self_attn.q_proj"][0].shape[0] == 4
+    assert adapter.scaling_of("model.layers.0.self_attn.q_proj") == 16.0 / 4
+    assert adapter.scaling_of("model.layers.1.mlp.down_proj") == 16.0 / 2
+    assert adapter.scaling_of("model.layers.0.mlp.down_proj") == adapter.scaling == 16.0 / 8
+    assert adapter.scaling_of("model.layers.0.self_attn.v_proj") == 32.0 / 8
+    adapters, prompts, expected = _adapter_a_expectations(base, tmp_path, adapter_seed=6, prompt_seed=4, **settings)
+    assert _drive(_worker(base, adapters).execute_model, adapters, prompts, max_loras=1) == expected
 
 
 def test_an_adapter_on_gemma2_gives_pefts_tokens(tmp_path):

@@ -1,0 +1,240 @@
+"""LoRA on mixture-of-experts models' routed experts and routers (gpu_worker/lora/experts.py, the
+manager's expert stacks): PEFT adapters served, checked against PEFT's own model."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine_core.outputs import LoRARequest
+from gpu_worker.config import ModelConfig
+from tests.gpu_worker.test_lora import MAX_TOKENS, _drive, _runner, _worker
+from tests.gpu_worker.utils import hf_greedy, load_hf, prefill_logits, save_tiny_model, two_tp_ranks
+from tests.lora_adapters import peft_model, save_adapter
+
+STACKS = ("experts.gate_up_proj", "experts.down_proj")
+
+
+def _logits(runner, lora_id: int, ids: list[int], grouped_mm: bool | None = None,
+            experts_lora: bool = True) -> torch.Tensor:
+    """The runner's logits for ``ids`` under adapter ``lora_id`` (0: none); ``grouped_mm`` False: the
+    experts' per-expert loop; ``experts_lora`` False: the experts computed without their deltas."""
+    experts = runner.lora.experts
+    deltas = {path: module.lora for path, module in experts.items()}
+    for module in experts.values():
+        module.grouped_mm = grouped_mm
+        if not experts_lora:
+            module.lora = None
+    try:
+        runner.lora.set_batch([lora_id], np.array([0, len(ids)]))
+        return prefill_logits(runner, ids, list(range(-(-len(ids) // runner.block_size))))
+    finally:
+        for path, module in experts.items():
+            module.grouped_mm, module.lora = None, deltas[path]
+
+
+def _pefts_logits(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """PEFT's logits for ``ids``, with its adapter and without."""
+    with torch.no_grad():
+        adapted = model(torch.tensor([ids])).logits[0]
+        with model.disable_adapter():
+            plain = model(torch.tensor([ids])).logits[0]
+    return adapted, plain
+
+
+# What PEFT (0.22 on) makes of Qwen2-MoE's linear layers and its routed experts' projections' names (it
+# joins gate_proj and up_proj in the stacked gate_up_proj, with twice the rank and alpha).
+QWEN2_MOE_ALL = dict(targets=("q_proj", "k_proj", "v_proj", "o_proj", "shared_expert.gate_proj",
+                              "shared_expert.up_proj", "shared_expert.down_proj", "shared_expert_gate"),
+                     parameters=(*STACKS, "mlp.gate.weight"), rank_pattern={r".*\.gate_up_proj": 16},
+                     alpha_pattern={r".*\.gate_up_proj": 32.0})
+
+
+@pytest.mark.parametrize(("kind", "adapter"), [
+    # The router (gate.weight), the shared expert and its gate, the stacked experts with twice the rank
+    # on gate_up (rank_pattern).
+    pytest.param("qwen2_moe", QWEN2_MOE_ALL, id="qwen2_moe"),
+    # PEFT's all-linear on transformers 5's Mixtral: the same, made by PEFT.
+    pytest.param("mixtral", dict(targets="all-linear"), id="mixtral-all-linear"),
+    # GPT-OSS's stacks [experts, in, out] with gate and up interleaved, and its router (ours: mlp.gate).
+    pytest.param("gpt_oss", dict(targets=("q_proj",), parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj",
+                                                                  "mlp.router.weight")), id="gpt_oss"),
+    # Llama 4's stacks [experts, in, out], which PEFT reads as [experts, out, in].
+    pytest.param("llama4", dict(targets=(), parameters=STACKS), id="llama4"),
+    # Nemotron-H's ungated experts (relu2: up_proj alone).
+    pytest.param("nemotron_h_moe", dict(targets=(), parameters=("experts.up_proj", "experts.down_proj")),
+                 id="nemotron_h_moe"),
+    # DeepSeek-V3's fp32 router, choosing through its correction bias.
+    pytest.param("deepseek_v3", dict(targets=(), parameters=(*STACKS, "mlp.gate.weight")), id="deepseek_v3"),
+    # Granite MoE's (transformers 5 names them block_sparse_moe.experts, ours mlp.experts).
+    pytest.param("granitemoe", dict(targets=(), parameters=STACKS), id="granitemoe"),
+])
+def test_adapters_on_routed_experts_give_pefts_logits(tmp_path, kind, adapter):
+    """Served, the adapter gives PEFT's logits, in the grouped GEMM and the per-expert loop alike; the
+    experts' deltas are part of it (without them the logits are not PEFT's), and the base model's
+    rows stay the base model's."""
+    base = save_tiny_model(tmp_path / "base", kind, vocab_size=251)
+    save_adapter(base, tmp_path / "a", seed=3, **adapter)
+    tensors = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
+    gate_up_a = next(t for n, t in tensors.items() if n.endswith(".experts.base_layer.lora_A.weight"))  # (nested)
+    config = ModelConfig.from_pretrained(base)
+    assert gate_up_a.shape[0] == config.num_experts * (16 if kind in ("qwen2_moe", "mixtral") else 8)
+    runner = _runner(base, {1: LoRARequest("a", 1, str(tmp_path / "a"))})
+    assert runner.lora.experts
+    ids = [random.Random(7).randrange(251) for _ in range(13)]
+    adapted, plain = _pefts_logits(peft_model(base, seed=3, **adapter), ids)
+    assert (adapted - plain).abs().max() > 0.05  # (Granite's logits are scaled down)
+    for grouped_mm in (None, False):
+        torch.testing.assert_close(_logits(runner, 1, ids, grouped_mm), adapted, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(_logits(runner, 0, ids, grouped_mm), plain, atol=2e-5, rtol=1e-5)
+    assert (_logits(runner, 1, ids, experts_lora=False) - adapted).abs().max() > 1e-3
+
+
+def _as_one_module_per_expert(src: Path, dst: Path, names: dict[str, str], block: str) -> Path:
+    """PEFT's adapter on stacked experts (rank r gate_up and down stacks) written as transformers 4's
+    per-expert modules would have it: ``<layer>.<block>.experts.<e>.<gate|up|down name>``, A and B of
+    expert e (gate and up sharing gate_up's A, each its half of B's rows)."""
+    config = json.loads((src / "adapter_config.json").read_text())
+    r = config["r"]
+    weights = load_file(str(src / "adapter_model.safetensors"))
+    out = {}
+    for key, tensor in weights.items():
+        if ".mlp.experts." not in key:
+            out[key] = tensor
+            continue
+        if not key.endswith("lora_A.weight"):
+            continue
+        gate_up = ".experts.base_layer." in key
+        prefix = key.split(".mlp.experts.")[0] + f".{block}.experts"
+        a = tensor
+        b = weights[key.replace("lora_A", "lora_B")]
+        experts = a.shape[0] // r
+        a = a.reshape(experts, r, -1)
+        b = b.reshape(b.shape[0], r, experts).permute(2, 0, 1)
+        for e in range(experts):
+            parts = ({"gate": b[e][: b.shape[1] // 2], "up": b[e][b.shape[1] // 2:]} if gate_up else {"down": b[e]})
+            for part, b_part in parts.items():
+                out[f"{prefix}.{e}.{names[part]}.lora_A.weight"] = a[e].clone()
+                out[f"{prefix}.{e}.{names[part]}.lora_B.weight"] = b_part.contiguous()
+    dst.mkdir()
+    save_file(out, str(dst / "adapter_model.safetensors"))
+    config.pop("target_parameters")
+    config["target_modules"] = sorted({*config["target_modules"], *names.values()})
+    (dst / "adapter_config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.mark.parametrize(("kind", "names", "block"), [
+    ("mixtral", {"gate": "w1", "up": "w3", "down": "w2"}, "block_sparse_moe"),
+    ("qwen2_moe", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}, "mlp"),
+])
+def test_an_adapter_of_one_module_per_expert_serves_as_its_stacked_form(tmp_path, kind, names, block):
+    """Transformers 4's form of the same adapter (one module per expert, Mixtral's w1 / w3 / w2 under
+    block_sparse_moe): PEFT's logits of the stacked form."""
+    base = save_tiny_model(tmp_path / "base", kind, vocab_size=251)
+    save_adapter(base, tmp_path / "stacked", seed=5, targets=("q_proj",), parameters=STACKS)
+    per_expert = _as_one_module_per_expert(tmp_path / "stacked", tmp_path / "a", names, block)
+    tensors = load_file(str(per_expert / "adapter_model.safetensors"))
+    assert any(f".{block}.experts.7.{names['up']}." in k for k in tensors)
+    runner = _runner(base, {1: LoRARequest("a", 1, str(per_expert))})
+    ids = [random.Random(8).randrange(251) for _ in range(11)]
+    adapted, _ = _pefts_logits(peft_model(base, seed=5, targets=("q_proj",), parameters=STACKS), ids)
+    for grouped_mm in (None, False):
+        torch.testing.assert_close(_logits(runner, 1, ids, grouped_mm), adapted, atol=2e-5, rtol=1e-5)
+
+
+def _two_expert_adapters(root: Path) -> tuple[Path, dict[int, LoRARequest], dict[int, dict], list[list[int]]]:
+    """A Qwen2-MoE, adapter 1 all-linear, adapter 2 on the experts alone (rank 4, rank-stabilised), and
+    six prompts (request i runs under adapter i % 3, 0 none)."""
+    base = save_tiny_model(root / "base", "qwen2_moe", vocab_size=251)
+    settings = {1: dict(seed=1, **QWEN2_MOE_ALL),
+                2: dict(seed=2, r=4, alpha=8.0, use_rslora=True, targets=(), parameters=STACKS)}
+    for lora_id, kwargs in settings.items():
+        save_adapter(base, root / str(lora_id), **kwargs)
+    adapters = {i: LoRARequest(f"moe{i}", i, str(root / str(i))) for i in settings}
+    rng = random.Random(3)
+    prompts = [[rng.randrange(251) for _ in range(rng.randrange(3, 20))] for _ in range(6)]
+    return base, adapters, settings, prompts
+
+
+def _pefts_tokens(base: Path, settings: dict[int, dict], prompts: list[list[int]]) -> dict[str, list[int]]:
+    models = {0: load_hf(base), **{i: peft_model(base, **kwargs) for i, kwargs in settings.items()}}
+    return {f"r{i}": hf_greedy(models[i % 3], p, MAX_TOKENS) for i, p in enumerate(prompts)}
+
+
+@pytest.mark.parametrize("budget", [7, 64])
+def test_passes_mixing_expert_adapters_and_the_base_model_give_pefts_tokens(tmp_path, budget):
+    """Two adapters on the experts and base-model requests in the same passes (chunked prefills beside
+    decodes): each request's rows get only its own adapter's expert deltas."""
+    base, adapters, settings, prompts = _two_expert_adapters(tmp_path)
+    expected = _pefts_tokens(base, settings, prompts)
+    assert expected["r1"] != hf_greedy(load_hf(base), prompts[1], MAX_TOKENS)
+    batches: list[set[int]] = []
+    assert _drive(_worker(base, adapters).execute_model, adapters, prompts, 2, budget, batches) == expected
+    assert max(len(b) for b in batches) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_tp2_over_gloo_shards_expert_adapters_as_the_experts(tmp_path, tp_hosts, expert_parallel):
+    """Two ranks splitting every expert's width (gate/up rows of B, down columns of A), or holding half
+    the experts whole (--enable-expert-parallel): PEFT's tokens."""
+    import ray
+
+    base, adapters, settings, prompts = _two_expert_adapters(tmp_path)
+    expected = _pefts_tokens(base, settings, prompts)
+    with two_tp_ranks(base, tp_hosts, device="cpu", dtype="float32", max_model_len=128, num_cpus=1,
+                      max_lora_rank=8, enable_expert_parallel=expert_parallel) as (ranks, execute):
+        ray.get([w.initialize_cache.remote(60, 4) for w in ranks])
+        for lora in adapters.values():
+            assert ray.get([w.add_lora.remote(lora) for w in ranks]) == [True, True]
+        assert _drive(execute, adapters, prompts, max_loras=2) == expected
+
+
+def _edited(src: Path, dst: Path, config: dict | None = None, tensors=None) -> Path:
+    shutil.copytree(src, dst)
+    if config:
+        adapter_config = json.loads((dst / "adapter_config.json").read_text())
+        (dst / "adapter_config.json").write_text(json.dumps({**adapter_config, **config}))
+    if tensors is not None:
+        path = dst / "adapter_model.safetensors"
+        save_file(tensors(load_file(str(path))), str(path))
+    return dst
+
+
+def test_expert_adapters_the_model_cannot_serve_are_refused_by_name(tmp_path):
+    base = save_tiny_model(tmp_path / "base", "qwen2_moe", vocab_size=251)
+    good = save_adapter(base, tmp_path / "good", seed=1, targets=(), parameters=STACKS)
+    worker = _worker(base, {})
+    # Shaped for other experts: fewer of them, or another width.
+    fewer = save_tiny_model(tmp_path / "fewer", "qwen2_moe", vocab_size=251, num_experts=4)
+    with pytest.raises(ValueError, match=r"routed experts model\.layers\.0\.mlp\.experts do not fit the model"):
+        worker.add_lora(LoRARequest("fewer", 2, str(save_adapter(fewer, tmp_path / "fewer_a", targets=(),
+                                                                 parameters=STACKS))))
+    wider = save_tiny_model(tmp_path / "wider", "qwen2_moe", vocab_size=251, moe_intermediate_size=48)
+    with pytest.raises(ValueError, match="do not fit the model"):
+        worker.add_lora(LoRARequest("wider", 3, str(save_adapter(wider, tmp_path / "wider_a", targets=(),
+                                                                 parameters=STACKS))))
+    # A config naming another set of stacked parameters than its tensors: an experts' bias read.
+    with pytest.raises(ValueError, match=r"LoRA on the experts' bias .*gate_up_proj_bias"):
+        worker.add_lora(LoRARequest("bias", 4, str(_edited(
+            good, tmp_path / "bias", {"target_parameters": [*STACKS, "experts.gate_up_proj_bias"]}))))
+    # Ranks above what --max-lora-rank allows (gate_up: twice it, standing for two projections).
+    with pytest.raises(ValueError, match=r"not a rank 32 \(<= 16\) LoRA of stacked experts"):
+        worker.add_lora(LoRARequest("rank", 5, str(_edited(
+            good, tmp_path / "rank", {"rank_pattern": {"gate_up_proj": 32}}))))
+    # One expert's projection the model has no expert for.
+    def expert_99(tensors: dict) -> dict:
+        return {**tensors, "base_model.model.model.layers.0.mlp.experts.99.gate_proj.lora_A.weight": torch.zeros(8, 64),
+                "base_model.model.model.layers.0.mlp.experts.99.gate_proj.lora_B.weight": torch.zeros(32, 8)}
+    with pytest.raises(ValueError, match="do not fit the model"):
+        worker.add_lora(LoRARequest("e99", 6, str(_edited(good, tmp_path / "e99", tensors=expert_99))))
+    assert worker.list_loras() == []
+    assert worker.add_lora(LoRARequest("good", 1, str(good)))
