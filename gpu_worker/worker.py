@@ -382,7 +382,10 @@ class Worker:
         # CUDA context, NCCL buffers, other processes: used, yet not through torch's allocator.
         outside_torch = (total - free) - torch.cuda.memory_reserved(self.device)
         torch.cuda.empty_cache()
-        return int(total * gpu_memory_utilization - peak - outside_torch)
+        # (LoRA adapters are copied in as steps need them: room for --max-loras of them at --max-lora-rank.)
+        lora = self._runner().lora
+        adapters = lora.device_bytes_reserved() if lora is not None else 0
+        return int(total * gpu_memory_utilization - peak - outside_torch - adapters)
 
     def initialize_cache(self, num_blocks: int, block_size: int) -> int:
         """The KV cache, and KV offloading's host tier: how many blocks this rank's share holds (0: off)."""

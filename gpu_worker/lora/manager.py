@@ -205,6 +205,34 @@ class LoRAManager:
         self._unload(lora_int_id)
         return self.registered.pop(lora_int_id, None) is not None
 
+    def adapter_bytes_bound(self) -> int:
+        """The most bytes one adapter of rank max_lora_rank holds on this rank: on every projection
+        adapters may train (a fused one's parts each of that rank), the router, and every routed
+        experts layer (its gate and up projections each of that rank, or their stack of twice it)."""
+        rank = self.max_lora_rank
+        elements = 0
+        for wrapper in self.layers.values():
+            base = wrapper.base
+            if isinstance(base, RowParallelLinear):
+                elements += rank * (base.input_size_per_partition + base.output_size)
+            elif isinstance(base, ColumnParallelLinear):
+                parts = (3 if isinstance(base, QKVParallelLinear) else
+                         len(base.output_sizes) if isinstance(base, MergedColumnParallelLinear) else 1)
+                elements += parts * rank * (base.input_size + base.output_size_per_partition)
+            else:
+                elements += rank * (base.in_features + base.out_features)
+        for moe in self.experts.values():
+            hidden, width = moe.w2_weight.shape[1], moe.intermediate_size_per_partition
+            gate_up, down = -(-2 * rank // 8) * 8, -(-rank // 8) * 8  # (as _experts_stacks pads them)
+            elements += moe.num_local_experts * (gate_up * (hidden + moe.w13_weight.shape[1]) + down * (width + hidden))
+        return elements * torch.empty((), dtype=self.dtype).element_size()
+
+    def device_bytes_reserved(self) -> int:
+        """What the adapters on the device may take (``max_resident`` of them, each at most
+        ``adapter_bytes_bound``): kept out of the KV cache's share. 0 where adapters are computed with
+        where they are loaded (the CPU)."""
+        return 0 if self.max_resident is None else self.max_resident * self.adapter_bytes_bound()
+
     def resident_adapters(self) -> list[int]:
         """The adapters now on the device (all of them when there is no limit)."""
         return list(self._resident) if self.max_resident is not None else sorted(self.adapters)

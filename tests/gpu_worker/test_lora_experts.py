@@ -238,3 +238,25 @@ def test_expert_adapters_the_model_cannot_serve_are_refused_by_name(tmp_path):
         worker.add_lora(LoRARequest("e99", 6, str(_edited(good, tmp_path / "e99", tensors=expert_99))))
     assert worker.list_loras() == []
     assert worker.add_lora(LoRARequest("good", 1, str(good)))
+
+
+@pytest.mark.parametrize(("kind", "adapter"), [
+    ("llama", dict(targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))),
+    ("qwen2_moe", QWEN2_MOE_ALL),
+])
+def test_the_device_room_kept_for_adapters_is_what_full_rank_adapters_take(tmp_path, kind, adapter):
+    """An adapter of rank max_lora_rank on everything adapters may train holds exactly the bound the
+    KV cache's share leaves room for, --max-loras times over (on the CPU, where adapters are computed
+    with in host memory, nothing is kept)."""
+    base = save_tiny_model(tmp_path / "base", kind, vocab_size=251)
+    save_adapter(base, tmp_path / "a", seed=1, **adapter)
+    request = LoRARequest("a", 1, str(tmp_path / "a"))
+    runner = _runner(base, {1: request}, max_resident_loras=2)
+    runner.lora.set_batch([1], np.array([0, 1]))  # (copied "in")
+    held = runner.lora.adapters[1].layers
+    assert {path.rsplit(".", 1)[-1] for path in held} >= ({"gate", "w13_weight", "w2_weight"} if kind != "llama"
+                                                        else {"qkv_proj", "o_proj"})
+    size = sum(t.numel() * t.element_size() for pair in held.values() for t in pair)
+    assert runner.lora.adapter_bytes_bound() == size
+    assert runner.lora.device_bytes_reserved() == 2 * size
+    assert _runner(base, {1: request}).lora.device_bytes_reserved() == 0
