@@ -428,8 +428,8 @@ class ModelRunner:
             if mixers:
                 meta.mamba = mamba_step_metadata(np.arange(len(lens)), qsl, self.device)
             input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-            if self.lora is not None:
-                self.lora.set_batch([0] * len(lens), qsl)
+            if self.lora is not None:  # (every row under a full-rank adapter where adapters go to the device)
+                self.lora.set_profile_batch()
             intermediate = None if distributed.is_first_stage() else tuple(  # (what the previous stage sends)
                 torch.zeros(num_tokens, self.config.hidden_size, dtype=self.dtype, device=self.device)
                 for _ in range(2))
@@ -476,6 +476,8 @@ class ModelRunner:
                 layer.kv_cache = cache
             for mixer, state in zip(mixers, saved_states, strict=True):
                 mixer.state = state
+            if self.lora is not None:
+                self.lora.batch.set_groups([])
             del caches
         if self.drafter is not None:  # (the draft's passes come after the target's, on a cache of their own)
             self.drafter.runner.profile_run(block_size)

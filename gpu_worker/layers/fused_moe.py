@@ -154,6 +154,7 @@ class FusedMoE(nn.Module):
             raise ValueError(f"num_experts_per_tok must be in [1, num_experts={num_experts}], got {top_k}")
         self.tp_rank, self.tp_size = tp_rank_and_size(tp_rank, tp_size)
         self.num_experts = num_experts
+        self.hidden_size = hidden_size
         self.top_k = top_k
         self.expert_parallel = expert_parallel and self.tp_size > 1
         if self.expert_parallel:
@@ -169,6 +170,8 @@ class FusedMoE(nn.Module):
         # Gated experts (act(gate) * up) hold gate and up rows in w13; Nemotron-H's ("relu2": relu(up)^2)
         # only up's.
         self.gated = activation != "relu2"
+        # Rows of each expert's stacked gate/up projection on this rank (w13_weight's dimension 1).
+        self.gate_up_rows = (2 if self.gated else 1) * size
         if bias and not self.gated:
             raise ValueError("ungated (relu2) experts are served without biases")
         self.w13_weight = _new_expert_weight(self.num_local_experts, (2 if self.gated else 1) * size, hidden_size)
@@ -271,7 +274,7 @@ class FusedMoE(nn.Module):
 
     # None: grouped_mm wherever it has a kernel; tests set False to run the per-expert loop.
     grouped_mm: bool | None = None
-    # The LoRA adapters' deltas on the experts' projections (gpu_worker.lora.manager.wrap_model sets it).
+    # The LoRA adapters' deltas on the experts' projections (gpu_worker.lora.manager.wrap_experts sets it).
     lora: ExpertsLoRA | None = None
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:

@@ -107,6 +107,11 @@ def adapter_module_names(model: nn.Module) -> Callable[[str], str | None]:
     return ours
 
 
+def _padded_rank(rank: int) -> int:
+    """An expert stack's rank columns: a multiple of 8 (grouped_mm's rows must be 16-byte multiples wide)."""
+    return -(-rank // 8) * 8
+
+
 def _copy_whole_experts(moe: FusedMoE, into: torch.Tensor, loaded: torch.Tensor, expert: int, size: int,
                         what: str) -> None:
     """An adapter's A (or B) of one expert ([R, size] / [size, R]), or of every expert ([experts, ...]),
@@ -205,33 +210,55 @@ class LoRAManager:
         self._unload(lora_int_id)
         return self.registered.pop(lora_int_id, None) is not None
 
-    def adapter_bytes_bound(self) -> int:
-        """The most bytes one adapter of rank max_lora_rank holds on this rank: on every projection
-        adapters may train (a fused one's parts each of that rank), the router, and every routed
-        experts layer (its gate and up projections each of that rank, or their stack of twice it)."""
+    def full_rank_layers(self, device: torch.device) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Zeros of the shapes an adapter of rank max_lora_rank on everything adapters may train holds
+        on this rank, as ``_shard`` lays them out: every wrapped projection (a fused one's parts each of
+        that rank), the routers, and every routed experts layer (its gate and up projections each of that
+        rank, or their stack of twice it)."""
         rank = self.max_lora_rank
-        elements = 0
-        for wrapper in self.layers.values():
+        layers = {}
+        for path, wrapper in self.layers.items():
             base = wrapper.base
+            dtype = self.dtype
             if isinstance(base, RowParallelLinear):
-                elements += rank * (base.input_size_per_partition + base.output_size)
+                inputs, outputs, columns = base.input_size_per_partition, base.output_size, rank
             elif isinstance(base, ColumnParallelLinear):
                 parts = (3 if isinstance(base, QKVParallelLinear) else
                          len(base.output_sizes) if isinstance(base, MergedColumnParallelLinear) else 1)
-                elements += parts * rank * (base.input_size + base.output_size_per_partition)
-            else:
-                elements += rank * (base.in_features + base.out_features)
-        for moe in self.experts.values():
-            hidden, width = moe.w2_weight.shape[1], moe.intermediate_size_per_partition
-            gate_up, down = -(-2 * rank // 8) * 8, -(-rank // 8) * 8  # (as _experts_stacks pads them)
-            elements += moe.num_local_experts * (gate_up * (hidden + moe.w13_weight.shape[1]) + down * (width + hidden))
-        return elements * torch.empty((), dtype=self.dtype).element_size()
+                inputs, outputs, columns = base.input_size, base.output_size_per_partition, parts * rank
+            else:  # (a router: its own dtype)
+                inputs, outputs, columns, dtype = base.in_features, base.out_features, rank, base.weight.dtype
+            layers[path] = (torch.zeros(inputs, columns, dtype=dtype, device=device),
+                            torch.zeros(columns, outputs, dtype=dtype, device=device))
+        for path, moe in self.experts.items():
+            experts, hidden, width = moe.num_local_experts, moe.hidden_size, moe.intermediate_size_per_partition
+            gate_up, down = _padded_rank(2 * rank), _padded_rank(rank)
+            layers[f"{path}.w13_weight"] = (
+                torch.zeros(experts, gate_up, hidden, dtype=self.dtype, device=device),
+                torch.zeros(experts, moe.gate_up_rows, gate_up, dtype=self.dtype, device=device))
+            layers[f"{path}.w2_weight"] = (torch.zeros(experts, down, width, dtype=self.dtype, device=device),
+                                           torch.zeros(experts, hidden, down, dtype=self.dtype, device=device))
+        return layers
+
+    def adapter_bytes_bound(self) -> int:
+        """The most bytes one adapter holds on this rank (``full_rank_layers``')."""
+        return sum(t.numel() * t.element_size() for pair in self.full_rank_layers(torch.device("meta")).values()
+                   for t in pair)
+
+    def set_profile_batch(self) -> None:
+        """Every row of the next pass under an adapter of ``full_rank_layers`` on the device (the
+        memory profile's pass: its peak holds one adapter and every delta's temporaries), where
+        adapters are copied to the device; else under none. ``set_batch`` drops it."""
+        groups: list[tuple[AdapterShard, Rows]] = []
+        if self.max_resident is not None:
+            groups = [(AdapterShard(-1, "profile", "", self.full_rank_layers(self.device)), None)]
+        self.batch.set_groups(groups)
 
     def device_bytes_reserved(self) -> int:
-        """What the adapters on the device may take (``max_resident`` of them, each at most
-        ``adapter_bytes_bound``): kept out of the KV cache's share. 0 where adapters are computed with
-        where they are loaded (the CPU)."""
-        return 0 if self.max_resident is None else self.max_resident * self.adapter_bytes_bound()
+        """What the adapters on the device may take beyond the one the profiled pass held
+        (``set_profile_batch``): ``max_resident`` adapters, each at most ``adapter_bytes_bound``. Kept
+        out of the KV cache's share; 0 where adapters are computed with where they are loaded (the CPU)."""
+        return 0 if self.max_resident is None else (self.max_resident - 1) * self.adapter_bytes_bound()
 
     def resident_adapters(self) -> list[int]:
         """The adapters now on the device (all of them when there is no limit)."""
@@ -342,7 +369,7 @@ class LoRAManager:
             layers[path] = (a.t().contiguous().to(dtype), b.t().contiguous().to(dtype))
         for path, pieces in by_experts.items():
             try:
-                layers.update(self._experts_stacks(path, self.experts[path], pieces))
+                layers.update(self._experts_stacks(path, self.experts[path], pieces, self.dtype))
             except (ValueError, RuntimeError, IndexError) as e:
                 raise ValueError(f"LoRA adapter {lora.lora_path}: its weights for the routed experts {path} do not "
                                  f"fit the model ({e})") from None
@@ -353,25 +380,26 @@ class LoRAManager:
         (``<experts>.gate_up_proj``: every expert's gate and up projections, as their weights load), or
         None for a module that is not one of the experts' projections."""
         prefix, _, name = module.rpartition(".")
-        if prefix in self.experts:  # (a stacked parameter of every expert)
-            return prefix, ALL_EXPERTS, {"gate_up_proj": GATE, "up_proj": UP, "down_proj": DOWN}[name]
+        stacked = {"gate_up_proj": GATE, "up_proj": UP, "down_proj": DOWN}
+        if prefix in self.experts and name in stacked:  # (a stacked parameter of every expert)
+            return prefix, ALL_EXPERTS, stacked[name]
         experts, _, index = prefix.rpartition(".")
         if experts in self.experts and index.isdigit() and name in EXPERT_PROJECTIONS:
             return experts, int(index), EXPERT_PROJECTIONS[name][1]
         return None
 
     @staticmethod
-    def _experts_stacks(path: str, moe: FusedMoE, pieces: list[tuple[int, int, torch.Tensor, torch.Tensor]]
-                        ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def _experts_stacks(path: str, moe: FusedMoE, pieces: list[tuple[int, int, torch.Tensor, torch.Tensor]],
+                        dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """The adapter's (A [local experts, R, in], B [local experts, out, R]) stacks for the experts'
         gate/up and down projections, sharded as the experts' weights are: each rank's slice of every
         expert's width (B's gate and up rows, down's A columns, put in place by the experts' own
         weight loader), or under expert parallelism its own experts whole. Each kind of piece (every
         expert's stacked projection, or one expert's gate, up or down projection) has its own
         columns of R, so gate and up trained apart keep apart (block diagonal B)."""
-        hidden, width = moe.w2_weight.shape[1], moe.intermediate_size_per_partition
+        hidden, width = moe.hidden_size, moe.intermediate_size_per_partition
         stacks = {}
-        for key, projections, a_width, b_rows in ((f"{path}.w13_weight", (GATE, UP), hidden, moe.w13_weight.shape[1]),
+        for key, projections, a_width, b_rows in ((f"{path}.w13_weight", (GATE, UP), hidden, moe.gate_up_rows),
                                                   (f"{path}.w2_weight", (DOWN,), width, hidden)):
             mine = [piece for piece in pieces if piece[1] in projections]
             if not mine:
@@ -381,8 +409,7 @@ class LoRAManager:
                 kind = (expert == ALL_EXPERTS, projection)
                 columns[kind] = max(columns.get(kind, 0), a.shape[-2])
             starts = dict(zip(columns, np.cumsum([0, *columns.values()]).tolist(), strict=False))
-            # (R a multiple of 8: grouped_mm's rows must be 16-byte multiples wide.)
-            rank = -(-sum(columns.values()) // 8) * 8
+            rank = _padded_rank(sum(columns.values()))
             a_stack = torch.zeros(moe.num_local_experts, rank, a_width)
             b_stack = torch.zeros(moe.num_local_experts, b_rows, rank)
             for expert, projection, a, b in mine:
@@ -394,7 +421,7 @@ class LoRAManager:
                 else:  # B's outputs are the gate / up rows: this rank's
                     _copy_whole_experts(moe, a_stack[:, cols], a, expert, hidden, "lora_A's inputs")
                     moe.weight_loader(b_stack[:, :, cols], b, (expert, projection))
-            stacks[key] = (a_stack, b_stack)
+            stacks[key] = (a_stack.to(dtype), b_stack.to(dtype))
         return stacks
 
     @staticmethod

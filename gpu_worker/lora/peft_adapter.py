@@ -52,6 +52,9 @@ _ONE_EXPERT = re.compile(rf"\.experts\.\d+\.({'|'.join(EXPERT_PROJECTIONS)})$")
 # down_proj's is "experts.lora_A.weight").
 _EXPERT_PARAMETERS = ("gate_up_proj", "gate_up_proj_bias", "up_proj", "down_proj", "down_proj_bias")
 _BASE_LAYER = ".base_layer"
+# Our names of the layers whose 2-D weight target_parameters may name: an MoE block's router (GPT-OSS's
+# and Granite MoE's "router", Llama 4's, read as ours) and Qwen2-MoE's shared expert's gate.
+_ROUTERS = ("gate", "shared_expert_gate")
 _PREFIX = "base_model.model."
 _A, _B = ".lora_A.weight", ".lora_B.weight"
 # adapter_config.json settings that change what the adapter computes, and are not served.
@@ -149,12 +152,17 @@ def _pattern_value(pattern: dict, key: str, default: float) -> float:
     return default
 
 
+def _targets(target_parameters: list[str], key: str) -> bool:
+    """Whether PEFT's target_parameters name the parameter ``key`` (PEFT's rule: the whole name, or its
+    end after a dot)."""
+    return any(key == t or key.endswith(f".{t}") for t in target_parameters)
+
+
 def _targeted_parameter(config: dict, module: str, depth: int, path: Path) -> str:
     """The experts' parameter whose LoRA is named ``<module><".base_layer" x depth>.lora_A/B``
     (module its checkpoint name): the targeted ones nest in registration order, the first innermost."""
     targets = config.get("target_parameters") or []
-    targeted = [p for p in _EXPERT_PARAMETERS
-                if any(f"{module}.{p}" == t or f"{module}.{p}".endswith(f".{t}") for t in targets)]
+    targeted = [p for p in _EXPERT_PARAMETERS if _targets(targets, f"{module}.{p}")]
     if depth >= len(targeted):
         raise _refuse(path, f"its LoRA weights on {module} match none of its target_parameters {targets}")
     parameter = targeted[len(targeted) - 1 - depth]
@@ -201,13 +209,20 @@ def load_peft_adapter(path: str | Path, max_lora_rank: int,
         if depth and not stacked:
             raise _refuse(path, f"LoRA on several parameters of {module} (target_parameters) is not supported "
                                 "(on the routed experts' stacked gate_up_proj / up_proj and down_proj it is)")
-        key = f"{module}.{_targeted_parameter(config, module, depth, path)}" if stacked else module
+        # (A 2-D parameter targeted, a router's weight: its LoRA is the module's, but rank_pattern and
+        # alpha_pattern are matched against the parameter's name.)
+        weight_targeted = not stacked and _targets(config.get("target_parameters") or [], f"{module}.weight")
+        key = (f"{module}.{_targeted_parameter(config, module, depth, path)}" if stacked
+               else f"{module}.weight" if weight_targeted else module)
         ours = rename(module) if rename is not None else module
         if ours is None:  # (before the checks below: a vision tower's projections have other names)
             skipped.append(module)
             continue
         if stacked:
             ours = f"{ours}.{key.rsplit('.', 1)[-1]}"
+        elif weight_targeted and ours.rsplit(".", 1)[-1] not in _ROUTERS:
+            raise _refuse(path, f"LoRA on the parameter {key} (target_parameters) is not supported (on routed "
+                                "experts' stacks and MoE routers it is)")
         elif ours.rsplit(".", 1)[-1] not in ADAPTER_MODULE_NAMES and not _ONE_EXPERT.search(ours):
             # (as the model names it: MiniCPM5's q_gate_proj)
             raise _refuse(path, f"module {module!r} is not one of {', '.join(ADAPTER_MODULE_NAMES)} or a "
@@ -224,6 +239,8 @@ def load_peft_adapter(path: str | Path, max_lora_rank: int,
         elif a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1] or a.shape[0] > limit:
             raise _refuse(path, f"module {module!r}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are not "
                                 f"a rank <= {limit} pair")
+        elif module_rank != rank and a.shape[0] != module_rank:  # (its scaling would be another rank's)
+            raise _refuse(path, f"rank_pattern gives {key} rank {module_rank}, its lora_A has {a.shape[0]} rows")
         weights[ours] = (a, b)
         module_scaling = scaling_of(module_rank, float(_pattern_value(alpha_pattern, key, alpha)))
         if module_scaling != scaling_of(rank, alpha):

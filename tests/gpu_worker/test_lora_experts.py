@@ -53,8 +53,10 @@ def _pefts_logits(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
 # joins gate_proj and up_proj in the stacked gate_up_proj, with twice the rank and alpha).
 QWEN2_MOE_ALL = dict(targets=("q_proj", "k_proj", "v_proj", "o_proj", "shared_expert.gate_proj",
                               "shared_expert.up_proj", "shared_expert.down_proj", "shared_expert_gate"),
-                     parameters=(*STACKS, "mlp.gate.weight"), rank_pattern={r".*\.gate_up_proj": 16},
-                     alpha_pattern={r".*\.gate_up_proj": 32.0})
+                     parameters=(*STACKS, "mlp.gate.weight"),
+                     # (And the router's rank and alpha of its own: PEFT matches them against the parameter's name.)
+                     rank_pattern={r".*\.gate_up_proj": 16, r"mlp\.gate\.weight": 4},
+                     alpha_pattern={r".*\.gate_up_proj": 32.0, r"mlp\.gate\.weight": 24.0})
 
 
 @pytest.mark.parametrize(("kind", "adapter"), [
@@ -230,6 +232,16 @@ def test_expert_adapters_the_model_cannot_serve_are_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match=r"not a rank 32 \(<= 16\) LoRA of stacked experts"):
         worker.add_lora(LoRARequest("rank", 5, str(_edited(
             good, tmp_path / "rank", {"rank_pattern": {"gate_up_proj": 32}}))))
+    # A 2-D parameter other than a router's weight (PEFT's LoRA on q_proj.weight: served as the module's
+    # it would be right, but not every such parameter is a linear layer's weight, [out, in]).
+    q_weight = save_adapter(base, tmp_path / "q_weight", seed=1, targets=(), parameters=("self_attn.q_proj.weight",))
+    with pytest.raises(ValueError, match=r"LoRA on the parameter .*self_attn\.q_proj\.weight \(target_parameters\)"):
+        worker.add_lora(LoRARequest("q_weight", 7, str(q_weight)))
+    # A rank_pattern its tensors do not follow.
+    with pytest.raises(ValueError, match=r"rank_pattern gives .*q_proj rank 4, its lora_A has 8 rows"):
+        worker.add_lora(LoRARequest("pattern", 8, str(_edited(
+            save_adapter(base, tmp_path / "q", seed=1, targets=("q_proj",)), tmp_path / "pattern",
+            {"rank_pattern": {"q_proj": 4}}))))
     # One expert's projection the model has no expert for.
     def expert_99(tensors: dict) -> dict:
         return {**tensors, "base_model.model.model.layers.0.mlp.experts.99.gate_proj.lora_A.weight": torch.zeros(8, 64),
@@ -242,12 +254,12 @@ def test_expert_adapters_the_model_cannot_serve_are_refused_by_name(tmp_path):
 
 @pytest.mark.parametrize(("kind", "adapter"), [
     ("llama", dict(targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))),
-    ("qwen2_moe", QWEN2_MOE_ALL),
+    ("qwen2_moe", {**QWEN2_MOE_ALL, "rank_pattern": {r".*\.gate_up_proj": 16}, "alpha_pattern": {}}),
 ])
 def test_the_device_room_kept_for_adapters_is_what_full_rank_adapters_take(tmp_path, kind, adapter):
     """An adapter of rank max_lora_rank on everything adapters may train holds exactly the bound the
-    KV cache's share leaves room for, --max-loras times over (on the CPU, where adapters are computed
-    with in host memory, nothing is kept)."""
+    KV cache's share leaves room for beside the profiled pass's one, --max-loras times over in all (on
+    the CPU, where adapters are computed with in host memory, nothing is kept)."""
     base = save_tiny_model(tmp_path / "base", kind, vocab_size=251)
     save_adapter(base, tmp_path / "a", seed=1, **adapter)
     request = LoRARequest("a", 1, str(tmp_path / "a"))
@@ -258,5 +270,110 @@ def test_the_device_room_kept_for_adapters_is_what_full_rank_adapters_take(tmp_p
                                                         else {"qkv_proj", "o_proj"})
     size = sum(t.numel() * t.element_size() for pair in held.values() for t in pair)
     assert runner.lora.adapter_bytes_bound() == size
-    assert runner.lora.device_bytes_reserved() == 2 * size
+    assert runner.lora.device_bytes_reserved() == (2 - 1) * size
     assert _runner(base, {1: request}).lora.device_bytes_reserved() == 0
+
+
+def _merged_logits(base: Path, deltas: dict[tuple[int, int, str], torch.Tensor], ids: list[int]) -> torch.Tensor:
+    """transformers' logits for ``ids`` with ``deltas`` ((layer, expert, "gate" / "up" / "down") -> the
+    delta of that expert's projection, [out, in]) added to the stacked experts' weights."""
+    model = load_hf(base)
+    with torch.no_grad():
+        for (layer, expert, part), delta in deltas.items():
+            experts = model.model.layers[layer].mlp.experts
+            width = experts.down_proj.shape[2]
+            if part == "down":
+                experts.down_proj[expert] += delta
+            else:
+                experts.gate_up_proj[expert, (0 if part == "gate" else width):][:width] += delta
+        return model(torch.tensor([ids])).logits[0]
+
+
+@pytest.mark.parametrize(("kind", "names", "block"), [
+    ("mixtral", {"gate": "w1", "up": "w3", "down": "w2"}, "block_sparse_moe"),
+    ("qwen2_moe", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}, "mlp"),
+])
+def test_one_module_per_expert_with_gate_and_up_trained_apart_gives_the_merged_weights_logits(
+        tmp_path, kind, names, block):
+    """Each expert's gate, up and down projections of ranks of their own (their A apart, some experts
+    untrained): the logits of the base model with every delta merged into its stacked experts."""
+    base = save_tiny_model(tmp_path / "base", kind, vocab_size=251)
+    config = ModelConfig.from_pretrained(base)
+    hidden, width = config.hidden_size, config.moe_intermediate_size
+    gen = torch.Generator().manual_seed(4)
+    tensors, deltas = {}, {}
+    rank, alpha = 6, 9.0
+    for layer in range(config.num_hidden_layers):
+        for expert in range(0, config.num_experts, 2 if layer else 1):  # (layer 1: every other expert)
+            for part, (inputs, outputs) in {"gate": (hidden, width), "up": (hidden, width),
+                                            "down": (width, hidden)}.items():
+                a = torch.randn(rank, inputs, generator=gen) * 0.3
+                b = torch.randn(outputs, rank, generator=gen) * 0.3
+                name = f"base_model.model.model.layers.{layer}.{block}.experts.{expert}.{names[part]}"
+                tensors[f"{name}.lora_A.weight"], tensors[f"{name}.lora_B.weight"] = a, b
+                deltas[(layer, expert, part)] = b @ a * (alpha / rank)
+    (tmp_path / "a").mkdir()
+    save_file(tensors, str(tmp_path / "a" / "adapter_model.safetensors"))
+    (tmp_path / "a" / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": sorted(names.values())}))
+    runner = _runner(base, {1: LoRARequest("a", 1, str(tmp_path / "a"))})
+    ids = [random.Random(9).randrange(251) for _ in range(12)]
+    expected = _merged_logits(base, deltas, ids)
+    assert (expected - _merged_logits(base, {}, ids)).abs().max() > 0.2
+    for grouped_mm in (None, False):
+        torch.testing.assert_close(_logits(runner, 1, ids, grouped_mm), expected, atol=2e-5, rtol=1e-5)
+
+
+def test_expert_adapters_in_a_bf16_model_give_pefts_logits_to_bf16s_rounding(tmp_path):
+    """In bf16 (the experts' stacks and the routers' deltas in the model's dtype): PEFT's fp32 logits,
+    within bf16's rounding, far closer than the adapter moves them."""
+    base = save_tiny_model(tmp_path / "base", "qwen2_moe", vocab_size=251)
+    save_adapter(base, tmp_path / "a", seed=3, **QWEN2_MOE_ALL)
+    runner = _runner(base, {1: LoRARequest("a", 1, str(tmp_path / "a"))}, dtype=torch.bfloat16)
+    stacks = runner.lora.adapters[1].layers
+    assert {t.dtype for pair in stacks.values() for t in pair} == {torch.bfloat16}
+    ids = [random.Random(7).randrange(251) for _ in range(13)]
+    adapted, plain = _pefts_logits(peft_model(base, seed=3, **QWEN2_MOE_ALL), ids)
+    for grouped_mm in (None, False):
+        error = (_logits(runner, 1, ids, grouped_mm).float() - adapted).abs().max()
+        assert error < 0.1 * (adapted - plain).abs().max()
+
+
+@pytest.mark.parametrize(("kind", "adapter"), [
+    ("qwen2_moe", QWEN2_MOE_ALL),
+    ("gpt_oss", dict(targets=("q_proj",), parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj",
+                                                      "mlp.router.weight"))),
+    ("nemotron_h_moe", dict(targets=(), parameters=("experts.up_proj", "experts.down_proj"))),
+])
+def test_the_memory_profile_runs_under_a_full_rank_adapter_and_sleep_keeps_adapters_loadable(tmp_path, kind, adapter):
+    """Where adapters go to the device, the profiled pass runs every row under an adapter of
+    max_lora_rank on every layer adapters may train (its peak holds one, and the deltas' temporaries);
+    the pass after it runs under none. Asleep with the weights discarded, an adapter still loads (its
+    shapes are read from the layers, not their emptied weights), and serves PEFT's tokens on waking."""
+    base = save_tiny_model(tmp_path / "base", kind, vocab_size=251)
+    runner = _runner(base, {}, max_resident_loras=2)
+    lora = runner.lora
+    profiled = []
+    real_set_profile_batch = lora.set_profile_batch
+
+    def set_profile_batch() -> None:
+        real_set_profile_batch()
+        profiled.append([set(adapter.layers) for adapter, rows in lora.batch.groups if rows is None])
+
+    lora.set_profile_batch = set_profile_batch
+    runner.profile_run(4)
+    assert profiled == [[set(lora.layers) | {f"{p}.{w}" for p in lora.experts for w in ("w13_weight", "w2_weight")}]]
+    assert lora.batch.groups == []
+    assert _runner(base, {}).lora.device_bytes_reserved() == 0  # (the CPU: no device copies)
+
+    save_adapter(base, tmp_path / "a", seed=2, **adapter)
+    worker = _worker(base, {})
+    worker.sleep(2)
+    assert worker.add_lora(LoRARequest("a", 1, str(tmp_path / "a")))
+    worker.wake_up(["weights", "kv_cache"])
+    adapters = {1: LoRARequest("a", 1, str(tmp_path / "a"))}
+    rng = random.Random(2)
+    prompts = [[rng.randrange(251) for _ in range(rng.randrange(3, 20))] for _ in range(3)]
+    models = {0: load_hf(base), 1: peft_model(base, seed=2, **adapter)}
+    expected = {f"r{i}": hf_greedy(models[1 if i % 3 == 1 else 0], p, MAX_TOKENS) for i, p in enumerate(prompts)}
+    assert _drive(worker.execute_model, adapters, prompts, max_loras=1) == expected
