@@ -476,11 +476,15 @@ class ModelRunner:
                 layer.kv_cache = cache
             for mixer, state in zip(mixers, saved_states, strict=True):
                 mixer.state = state
+            # (The full-rank adapter stays held through the draft's profile: in serving, the adapters on
+            # the device are there while it drafts.)
+            profiled_adapters = self.lora.batch.groups if self.lora is not None else []
             if self.lora is not None:
                 self.lora.batch.set_groups([])
             del caches
         if self.drafter is not None:  # (the draft's passes come after the target's, on a cache of their own)
             self.drafter.runner.profile_run(block_size)
+        del profiled_adapters
         stack = getattr(self.model, "model", None)
         if getattr(stack, "aux_hidden_states", None):  # (kept for an EAGLE-3 head, as a pass's are: not past here)
             stack.aux_hidden_states = []

@@ -301,6 +301,9 @@ class LoRAManager:
     def set_batch(self, lora_ids: list[int], query_start_loc: np.ndarray) -> None:
         """``lora_ids[i]``: request i's adapter (0: none); its tokens are rows
         ``query_start_loc[i]:query_start_loc[i + 1]`` of the step's flat batch."""
+        # (The last pass's adapters let go first: a device copy dropped since, by eviction or removal,
+        # is freed before this pass's are copied in.)
+        self.batch.set_groups([])
         groups: list[tuple[AdapterShard, Rows]] = []
         if any(lora_ids):
             ids = np.asarray(lora_ids, dtype=np.int64)
@@ -369,7 +372,7 @@ class LoRAManager:
             layers[path] = (a.t().contiguous().to(dtype), b.t().contiguous().to(dtype))
         for path, pieces in by_experts.items():
             try:
-                layers.update(self._experts_stacks(path, self.experts[path], pieces, self.dtype))
+                layers.update(self._experts_stacks(path, self.experts[path], pieces, self.dtype, self.max_lora_rank))
             except (ValueError, RuntimeError, IndexError) as e:
                 raise ValueError(f"LoRA adapter {lora.lora_path}: its weights for the routed experts {path} do not "
                                  f"fit the model ({e})") from None
@@ -390,7 +393,7 @@ class LoRAManager:
 
     @staticmethod
     def _experts_stacks(path: str, moe: FusedMoE, pieces: list[tuple[int, int, torch.Tensor, torch.Tensor]],
-                        dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+                        dtype: torch.dtype, max_lora_rank: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """The adapter's (A [local experts, R, in], B [local experts, out, R]) stacks for the experts'
         gate/up and down projections, sharded as the experts' weights are: each rank's slice of every
         expert's width (B's gate and up rows, down's A columns, put in place by the experts' own
@@ -398,6 +401,8 @@ class LoRAManager:
         expert's stacked projection, or one expert's gate, up or down projection) has its own
         columns of R, so gate and up trained apart keep apart (block diagonal B)."""
         hidden, width = moe.hidden_size, moe.intermediate_size_per_partition
+        # The most rank columns of the gate/up and the down stacks (full_rank_layers': the memory kept).
+        bound = (_padded_rank(2 * max_lora_rank), _padded_rank(max_lora_rank))
         stacks = {}
         for key, projections, a_width, b_rows in ((f"{path}.w13_weight", (GATE, UP), hidden, moe.gate_up_rows),
                                                   (f"{path}.w2_weight", (DOWN,), width, hidden)):
@@ -410,6 +415,10 @@ class LoRAManager:
                 columns[kind] = max(columns.get(kind, 0), a.shape[-2])
             starts = dict(zip(columns, np.cumsum([0, *columns.values()]).tolist(), strict=False))
             rank = _padded_rank(sum(columns.values()))
+            if rank > bound[DOWN in projections]:  # (one form of the experts' adapter, or the other, fits)
+                raise ValueError(f"its pieces on the experts' {'down' if DOWN in projections else 'gate/up'} "
+                                 f"projections take rank {sum(columns.values())}, above what --max-lora-rank "
+                                 f"{max_lora_rank} allows ({bound[DOWN in projections]})")
             a_stack = torch.zeros(moe.num_local_experts, rank, a_width)
             b_stack = torch.zeros(moe.num_local_experts, b_rows, rank)
             for expert, projection, a, b in mine:

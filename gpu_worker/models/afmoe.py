@@ -55,3 +55,7 @@ class AfmoeForCausalLM(LlamaForCausalLM):
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         return ((rename_parts(name, self._RENAMED), tensor) for name, tensor in weights)
+
+    def lora_module_name(self, module: str) -> str:
+        """An adapter's module (its router's) as ours."""
+        return rename_parts(f"{module}.", self._RENAMED)[:-1]

@@ -7,10 +7,7 @@ Bamba's tensor names (``feed_forward``, ``pre_ff_layernorm``, ``final_layernorm`
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-
 from gpu_worker.layers.mamba1 import MambaMixer
-from gpu_worker.layers.weight_utils import WeightLike
 from gpu_worker.models.llama import BambaForCausalLM, LlamaDecoderLayer, LlamaModel
 
 
@@ -25,6 +22,7 @@ class JambaModel(LlamaModel):
 class JambaForCausalLM(BambaForCausalLM):
     model_class = JambaModel
 
-    def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
-        for name, tensor in super().checkpoint_tensors(weights):
-            yield name.replace(".mlp.router.", ".mlp.gate."), tensor
+    def lora_module_name(self, name: str) -> str:
+        """A checkpoint's (or an adapter's) name as ours: Bamba's, and the router our gate (Bamba's
+        checkpoint_tensors reads every tensor's name through it)."""
+        return f"{super().lora_module_name(name)}.".replace(".mlp.router.", ".mlp.gate.")[:-1]

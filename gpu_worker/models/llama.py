@@ -912,6 +912,10 @@ class HYV3ForCausalLM(SkipsMtpLayers, LlamaForCausalLM):
     def checkpoint_tensors(self, weights: Iterable[tuple[str, WeightLike]]) -> Iterator[tuple[str, WeightLike]]:
         return ((rename_parts(name, self._RENAMED), tensor) for name, tensor in weights)
 
+    def lora_module_name(self, module: str) -> str:
+        """An adapter's module (its router's, its shared MLP's) as ours."""
+        return rename_parts(f"{module}.", self._RENAMED)[:-1]
+
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     """Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3's attention, routed experts."""
