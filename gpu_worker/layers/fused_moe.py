@@ -291,11 +291,13 @@ class FusedMoE(nn.Module):
         rows = hidden.index_select(0, tokens)
         if self.weights_on_inputs:
             rows = rows * weights
+        grouped = self.use_grouped_mm(hidden)
+        # Where each expert's rows end: the number of sorted ids up to it (computed on the device).
+        ends = torch.arange(1, num_local + 1, device=sorted_ids.device, dtype=sorted_ids.dtype) if grouped else None
         # (Each adapter of the pass that trains these experts, with the rows that run under it.)
-        deltas = self.lora.deltas(tokens, hidden.shape[0], rows.dtype) if self.lora is not None else []
-        if self.use_grouped_mm(hidden):
-            # Where each expert's rows end: the number of sorted ids up to it (computed on the device).
-            ends = torch.arange(1, num_local + 1, device=sorted_ids.device, dtype=sorted_ids.dtype)
+        deltas = (self.lora.deltas(tokens, hidden.shape[0], rows.dtype, sorted_ids, ends)
+                  if self.lora is not None else [])
+        if grouped:
             expert_out = self._grouped(rows, torch.searchsorted(sorted_ids, ends, out_int32=True),
                                        sorted_ids.clamp(max=num_local - 1), deltas)
         else:

@@ -180,15 +180,22 @@ def _pefts_tokens(base: Path, settings: dict[int, dict], prompts: list[list[int]
     return {f"r{i}": hf_greedy(models[i % 3], p, MAX_TOKENS) for i, p in enumerate(prompts)}
 
 
-@pytest.mark.parametrize("budget", [7, 64])
-def test_passes_mixing_expert_adapters_and_the_base_model_give_pefts_tokens(tmp_path, budget):
+@pytest.mark.parametrize(("budget", "rows_alone"), [(7, True), (64, True), (7, False), (64, None)])
+def test_passes_mixing_expert_adapters_and_the_base_model_give_pefts_tokens(tmp_path, budget, rows_alone):
     """Two adapters on the experts and base-model requests in the same passes (chunked prefills beside
-    decodes): each request's rows get only its own adapter's expert deltas."""
+    decodes): each request's rows get only its own adapter's expert deltas, whether the grouped GEMMs
+    take an adapter's rows alone or every row masked (CUDA's way), or the experts run one by one."""
     base, adapters, settings, prompts = _two_expert_adapters(tmp_path)
     expected = _pefts_tokens(base, settings, prompts)
     assert expected["r1"] != hf_greedy(load_hf(base), prompts[1], MAX_TOKENS)
+    worker = _worker(base, adapters)
+    for moe in worker._runner().lora.experts.values():
+        if rows_alone is None:
+            moe.grouped_mm = False
+        else:
+            moe.lora.rows_alone = rows_alone
     batches: list[set[int]] = []
-    assert _drive(_worker(base, adapters).execute_model, adapters, prompts, 2, budget, batches) == expected
+    assert _drive(worker.execute_model, adapters, prompts, 2, budget, batches) == expected
     assert max(len(b) for b in batches) == 2
 
 
