@@ -92,7 +92,7 @@ EXPERT_PROJECTIONS = {"gate_proj": ("w13_weight", GATE), "w1": ("w13_weight", GA
 # GPT-OSS's experts' biases.
 _STACKED_EXPERTS = re.compile(r"^(?P<experts>.+\.experts)\.(?P<proj>gate_up_proj|up_proj|down_proj)(?P<bias>_bias)?$")
 # (up_proj alone: ungated experts, Nemotron-H's.)
-_STACKED_PROJECTIONS = {"gate_up_proj": ("w13", GATE), "up_proj": ("w13", UP), "down_proj": ("w2", DOWN)}
+STACKED_EXPERT_PROJECTIONS = {"gate_up_proj": ("w13", GATE), "up_proj": ("w13", UP), "down_proj": ("w2", DOWN)}
 
 
 def _expert_parameter(hf_name: str, params: dict[str, nn.Parameter]) -> tuple[str, tuple[int, int]] | None:
@@ -103,7 +103,7 @@ def _expert_parameter(hf_name: str, params: dict[str, nn.Parameter]) -> tuple[st
         suffix, projection = EXPERT_PROJECTIONS[match["proj"]]
         expert = int(match["index"])
     elif (match := _STACKED_EXPERTS.match(hf_name)) is not None:
-        stack, projection = _STACKED_PROJECTIONS[match["proj"]]
+        stack, projection = STACKED_EXPERT_PROJECTIONS[match["proj"]]
         suffix = f"{stack}_bias" if match["bias"] else f"{stack}_weight"
         expert = ALL_EXPERTS
     else:

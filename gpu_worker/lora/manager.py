@@ -31,7 +31,7 @@ from gpu_worker.layers.linear import (
 from gpu_worker.lora.experts import ExpertsLoRA
 from gpu_worker.lora.layers import AdapterShard, LoRABatch, LoRALinear, Rows
 from gpu_worker.lora.peft_adapter import TARGET_MODULES, PeftAdapter, load_peft_adapter
-from gpu_worker.weights import EXPERT_PROJECTIONS
+from gpu_worker.weights import EXPERT_PROJECTIONS, STACKED_EXPERT_PROJECTIONS
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +105,15 @@ def adapter_module_names(model: nn.Module) -> Callable[[str], str | None]:
         return renamed(module)
 
     return ours
+
+
+def _sub_projections(base: ColumnParallelLinear) -> list[int | str | None]:
+    """The shard ids of a column-parallel layer's fused parts, in its weight's order ([None]: not fused)."""
+    if isinstance(base, QKVParallelLinear):
+        return ["q", "k", "v"]
+    if isinstance(base, MergedColumnParallelLinear):
+        return list(range(len(base.output_sizes)))
+    return [None]
 
 
 def _padded_rank(rank: int) -> int:
@@ -223,9 +232,8 @@ class LoRAManager:
             if isinstance(base, RowParallelLinear):
                 inputs, outputs, columns = base.input_size_per_partition, base.output_size, rank
             elif isinstance(base, ColumnParallelLinear):
-                parts = (3 if isinstance(base, QKVParallelLinear) else
-                         len(base.output_sizes) if isinstance(base, MergedColumnParallelLinear) else 1)
-                inputs, outputs, columns = base.input_size, base.output_size_per_partition, parts * rank
+                columns = len(_sub_projections(base)) * rank
+                inputs, outputs = base.input_size, base.output_size_per_partition
             else:  # (a router: its own dtype)
                 inputs, outputs, columns, dtype = base.in_features, base.out_features, rank, base.weight.dtype
             layers[path] = (torch.zeros(inputs, columns, dtype=dtype, device=device),
@@ -383,9 +391,8 @@ class LoRAManager:
         (``<experts>.gate_up_proj``: every expert's gate and up projections, as their weights load), or
         None for a module that is not one of the experts' projections."""
         prefix, _, name = module.rpartition(".")
-        stacked = {"gate_up_proj": GATE, "up_proj": UP, "down_proj": DOWN}
-        if prefix in self.experts and name in stacked:  # (a stacked parameter of every expert)
-            return prefix, ALL_EXPERTS, stacked[name]
+        if prefix in self.experts and name in STACKED_EXPERT_PROJECTIONS:  # (a stacked parameter of every expert)
+            return prefix, ALL_EXPERTS, STACKED_EXPERT_PROJECTIONS[name][1]
         experts, _, index = prefix.rpartition(".")
         if experts in self.experts and index.isdigit() and name in EXPERT_PROJECTIONS:
             return experts, int(index), EXPERT_PROJECTIONS[name][1]
@@ -475,12 +482,7 @@ class LoRAManager:
             b = torch.zeros(base.output_size_per_partition, a.shape[0], dtype=a.dtype)
             own_loader(b, whole_b)
             return a, b
-        if isinstance(base, QKVParallelLinear):
-            order: list[int | str | None] = ["q", "k", "v"]
-        elif isinstance(base, MergedColumnParallelLinear):
-            order = list(range(len(base.output_sizes)))
-        else:
-            order = [None]
+        order = _sub_projections(base)
         if None in subs and order != [None]:
             if len(subs) > 1:
                 raise ValueError("it trains the fused projection and its parts")
