@@ -471,6 +471,10 @@ def _add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                        help="Let the engines sleep (POST /sleep?level=1|2: release the KV cache, and move the "
                             "weights to host memory or discard them) and wake up (POST /wake_up); the endpoints "
                             "need --server-dev-mode.")
+    serve.add_argument("--disable-hybrid-kv-cache-manager", action=SWITCH, default=False,
+                       help="A model mixing full-attention and windowed layers (Gemma 2/3, GPT-OSS, Llama 4) keeps "
+                            "every block of a request in its windowed layers too (by default those behind the "
+                            "window go back to the pool).")
     serve.add_argument("--kv-cache-metrics", action=SWITCH, default=False,
                        help="Follow a sample of KV blocks from allocation to eviction from the prefix cache: "
                             "the vllm:kv_block_lifetime_seconds, _idle_before_evict_seconds and _reuse_gap_seconds "
@@ -723,6 +727,7 @@ def cluster_config_from_args(args: argparse.Namespace):
                 "max_waiting_requests": args.max_waiting_requests, "speculative_config": args.speculative_config,
                 "kv_transfer_config": args.kv_transfer_config,
                 "kv_cache_metrics": args.kv_cache_metrics or None,
+                "disable_hybrid_kv_cache_manager": args.disable_hybrid_kv_cache_manager or None,
                 "enable_sleep_mode": args.enable_sleep_mode or None,
                 "enable_prompt_embeds": args.enable_prompt_embeds,
                 "kv_cache_metrics_sample": args.kv_cache_metrics_sample}

@@ -157,6 +157,10 @@ class EngineSpec(BaseModel):
                           "residency histograms (--kv-cache-metrics).")
     kv_cache_metrics_sample: float | None = Field(
         None, gt=0, le=1, description="The share of blocks followed (--kv-cache-metrics-sample, default 0.01).")
+    disable_hybrid_kv_cache_manager: bool | None = Field(
+        None, description="A model mixing full-attention and windowed layers keeps every block of a request in its "
+                          "windowed layers too, as in its full ones (--disable-hybrid-kv-cache-manager; by default "
+                          "the windowed layers' blocks behind the window are released).")
     enable_sleep_mode: bool | None = Field(
         None, description="Allow sleep (release the KV cache, and offload or discard the weights) and wake_up "
                           "(--enable-sleep-mode; the operators' endpoints need server_dev_mode).")
@@ -177,7 +181,8 @@ _DEFAULTS = EngineSpec(
     mamba_cache_dtype="auto", mamba_ssm_cache_dtype="auto", mamba_cache_mode="none", enable_expert_parallel=False,
     runner="auto", generation_config="auto", max_logprobs=20, logprobs_mode="raw_logprobs", disable_log_stats=False,
     placement_strategy="PACK", num_cpus_per_worker=1.0, kv_cache_metrics=False,
-    kv_cache_metrics_sample=0.01, enable_sleep_mode=False, enable_prompt_embeds=False,
+    kv_cache_metrics_sample=0.01, disable_hybrid_kv_cache_manager=False, enable_sleep_mode=False,
+    enable_prompt_embeds=False,
     executor_backend="auto", max_waiting_requests=0)
 
 
@@ -927,6 +932,7 @@ def engine_config_from_spec(model: str, index: int, spec: EngineSpec, seed: int 
         engine_niceness=s["engine_niceness"], speculative_config=speculative, lora_config=lora_config,
         kv_cache_metrics_sample=s["kv_cache_metrics_sample"] if s["kv_cache_metrics"] else None,
         enable_sleep_mode=s["enable_sleep_mode"], logits_processors=tuple(s["logits_processors"] or ()),
+        disable_hybrid_kv_cache_manager=s["disable_hybrid_kv_cache_manager"],
         kv_offloading_size=s["kv_offloading_size"], enable_prompt_embeds=s["enable_prompt_embeds"],
         kv_transfer_config=transfer)
 

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from engine_core.core.kv_cache_utils import AttentionWindow
 from engine_core.kv_transfer import KVTransferConfig
 from engine_core.lora import LoRAModule
 
@@ -199,6 +200,10 @@ class CacheConfig:
     # A model with recurrent layers under --mamba-cache-mode align: how many of their states the prefix
     # cache keeps at block ends (0: none; engine_core/core/recurrent_state_cache.py).
     num_recurrent_state_slots: int = 0
+    # A model mixing full-attention and windowed layers, under the hybrid KV cache manager: the window
+    # each KV cache group's layers attend within (None: full attention; group 0's). Each group holds
+    # its own blocks of a request, a windowed group's released behind the window. Empty: one group.
+    kv_cache_groups: tuple[AttentionWindow | None, ...] = ()
 
     def __post_init__(self) -> None:
         _require(isinstance(self.block_size, int) and self.block_size >= 1, "block_size", ">= 1", self.block_size)
@@ -211,6 +216,10 @@ class CacheConfig:
                  "sliding_window", ">= 1", self.sliding_window)
         _require(self.kv_cache_metrics_sample is None or 0.0 < self.kv_cache_metrics_sample <= 1.0,
                  "kv_cache_metrics_sample", "in (0, 1]", self.kv_cache_metrics_sample)
+        _require(not self.kv_cache_groups or (self.kv_cache_groups[0] is None and self.sliding_window is None
+                                              and len(self.kv_cache_groups) > 1),
+                 "kv_cache_groups", "empty, or a full-attention group first and more after it (no sliding_window)",
+                 self.kv_cache_groups)
 
 
 @dataclass(frozen=True)
@@ -518,6 +527,10 @@ class EngineConfig:
     # vLLM's --kv-cache-metrics (--kv-cache-metrics-sample): the share of KV blocks followed for the
     # residency histograms (vllm:kv_block_*); None: off.
     kv_cache_metrics_sample: float | None = None
+    # vLLM's --disable-hybrid-kv-cache-manager: a model mixing full-attention and windowed layers keeps
+    # every block of a request in all of them, as a full-attention model does (by default its windowed
+    # layers' blocks behind the window are released: gpu_worker/kv_cache_groups.py).
+    disable_hybrid_kv_cache_manager: bool = False
     # vLLM's --enable-sleep-mode: the engine may release its KV cache and weights (sleep) and
     # restore them (wake_up), e.g. while an RL trainer uses the memory.
     enable_sleep_mode: bool = False
@@ -644,13 +657,15 @@ class EngineConfig:
 
     def cache_config(self, num_blocks: int, sliding_window: int | None = None,
                      long_rope_after: int | None = None, num_offload_blocks: int = 0,
-                     recurrent: bool = False) -> CacheConfig:
-        """The scheduler's cache settings; ``recurrent``: the model has recurrent layers."""
+                     recurrent: bool = False, kv_cache_groups: tuple[AttentionWindow | None, ...] = ()) -> CacheConfig:
+        """The scheduler's cache settings; ``recurrent``: the model has recurrent layers;
+        ``kv_cache_groups``: the hybrid KV cache manager's groups (CacheConfig.kv_cache_groups)."""
         return CacheConfig(block_size=self.block_size, num_blocks=num_blocks,
                            enable_prefix_caching=self.enable_prefix_caching, sliding_window=sliding_window,
                            long_rope_after=long_rope_after, kv_cache_metrics_sample=self.kv_cache_metrics_sample,
                            num_offload_blocks=num_offload_blocks,
-                           num_recurrent_state_slots=self.recurrent_state_slots if recurrent else 0)
+                           num_recurrent_state_slots=self.recurrent_state_slots if recurrent else 0,
+                           kv_cache_groups=kv_cache_groups)
 
     @property
     def recurrent_state_slots(self) -> int:

@@ -17,6 +17,7 @@ from typing import Any
 
 from engine_core.config import EngineConfig, SchedulerConfig
 from engine_core.core.block_pool import ALL_BLOCKS_CLEARED, BLOCKS_STORED, TIER_STORED
+from engine_core.core.kv_cache_utils import blocks_held_bound
 from engine_core.executor import Executor, ModelInfo
 from engine_core.kv_transfer import KVConnector, PendingLoad, wants_remote_prefill
 from engine_core.logits_processor import LogitsProcessor, load_logits_processors, validate_request_params
@@ -95,6 +96,19 @@ class EngineCore:
             sched_cfg = self._encoder_scheduler_config(sched_cfg)
         capacity = num_blocks * config.block_size
         needed = sched_cfg.max_model_len
+        groups = self.model_info.kv_cache_groups
+        if groups:
+            # The hybrid KV cache manager: a request holds blocks in every group, a windowed group's
+            # bounded by its window (and one pass's tokens).
+            held = blocks_held_bound(needed, groups, sched_cfg.token_budget, config.block_size)
+            if held > num_blocks:
+                executor.shutdown()
+                raise ValueError(
+                    f"engine {config.engine_index}: max_model_len ({needed}) needs {held} KV blocks over the model's "
+                    f"{len(groups)} KV cache groups (full-attention and windowed layers), more than the cache holds "
+                    f"({num_blocks} blocks of {config.block_size}): lower --max-model-len or give the cache more "
+                    "memory "
+                    "(--num-gpu-blocks, --kv-cache-memory-bytes, --gpu-memory-utilization)")
         window = self.model_info.sliding_window
         if window is not None:
             # Blocks behind the window are released: a request holds at most its window's keys
@@ -142,7 +156,8 @@ class EngineCore:
             logger.info("engine %d: --kv-cache-metrics has no effect without prefix caching", config.engine_index)
             self.config = config = dataclasses.replace(config, kv_cache_metrics_sample=None)
         cache_cfg = config.cache_config(num_blocks, self.model_info.sliding_window, self.model_info.long_rope_after,
-                                        self.num_offload_blocks, recurrent=self.model_info.mamba)
+                                        self.num_offload_blocks, recurrent=self.model_info.mamba,
+                                        kv_cache_groups=self.model_info.kv_cache_groups)
         self.scheduler = Scheduler(sched_cfg, cache_cfg,
                                    log_stats=config.log_stats,
                                    include_finished_set=True,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine_core.config import EngineConfig, SchedulerConfig
+from engine_core.core.kv_cache_utils import AttentionWindow
 from engine_core.multimodal import ImageGeometry
 from engine_core.outputs import LoRARequest, ModelRunnerOutput
 from engine_core.sched.output import SchedulerOutput
@@ -184,6 +185,9 @@ class ModelInfo:
     # A model whose layers keep KV caches of different shapes (Gemma 4's full layers): its blocks are
     # not handed to another engine (prefill/decode disaggregation moves one tensor of every layer's).
     kv_cache_shapes_differ: bool = False
+    # A model mixing full-attention and windowed layers, under the hybrid KV cache manager: each KV cache
+    # group's window (CacheConfig.kv_cache_groups; group 0 attends fully); empty: one group.
+    kv_cache_groups: tuple[AttentionWindow | None, ...] = ()
     # Whether it generates, and how it pools embeddings and classes.
     pooling: PoolingInfo = field(default_factory=PoolingInfo)
     # What the workers run: the model's dtype (float32, bfloat16, ...) and the device type (once

@@ -34,12 +34,23 @@ class BlockTable:
             self.table = np.pad(self.table, ((0, 0), (0, cols - self.table.shape[1])))
         self.table[row, start:end] = block_ids
 
+    def put(self, row: int, block_ids: list[int]) -> None:
+        """``row`` holds exactly ``block_ids`` (a row another table handed out: the hybrid KV cache
+        manager's further groups keep their requests in the rows of group 0's table)."""
+        if row >= self.table.shape[0]:
+            self.table = np.pad(self.table, ((0, max(row + 1, 2 * self.table.shape[0]) - self.table.shape[0]), (0, 0)))
+        self.table[row] = 0
+        self.write(row, 0, block_ids)
+
     def free(self, row: int) -> None:
         self.table[row] = 0  # (so columns past a request's own blocks read 0, as a fresh table would)
         self._free.append(row)
 
     def gather(self, rows: np.ndarray, num_cols: int) -> np.ndarray:
-        """The first ``num_cols`` block ids of each row in ``rows``, as a new array."""
+        """The first ``num_cols`` block ids of each row in ``rows``, as a new array (zeros past the
+        columns any row was given)."""
+        if num_cols > self.table.shape[1]:
+            self.table = np.pad(self.table, ((0, 0), (0, num_cols - self.table.shape[1])))
         return self.table[rows, :num_cols]
 
     @property

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine_core.config import EngineConfig, SchedulerConfig
+from engine_core.core.kv_cache_utils import blocks_held_bound
 from engine_core.cpu_priority import engine_niceness, lower_cpu_priority
 from engine_core.executor import Executor, ModelInfo, PoolingInfo, engine_uses_gpu
 from engine_core.generation_defaults import model_sampling_defaults
@@ -30,6 +31,7 @@ from engine_core.tokenizer_files import read_image_processor_config
 from gpu_worker.bitnet_checkpoint import check_bitnet_model
 from gpu_worker.config import ModelConfig, check_dtype_supported, parse_dtype
 from gpu_worker.eagle_config import EAGLE_METHODS, eagle_head_config
+from gpu_worker.kv_cache_groups import KVCacheGrouping, hybrid_kv_cache_grouping
 from gpu_worker.model_resolver import (
     DtypeRule,
     check_model_reference,
@@ -78,11 +80,13 @@ LORA_UNSERVED = {
 
 
 def _worker_kwargs(config: EngineConfig, model: str | Path, max_model_len: int, num_cpus: int | None,
-                   pooler_dense: tuple[DenseProjection, ...] = ()) -> dict[str, Any]:
+                   pooler_dense: tuple[DenseProjection, ...] = (), hybrid_kv_cache: bool = False) -> dict[str, Any]:
     """A worker's arguments; ``model``: what it loads, which it resolves on its own node (a GGUF is
-    converted there: the engine's cache directory is on the engine's node only)."""
+    converted there: the engine's cache directory is on the engine's node only); ``hybrid_kv_cache``: its
+    attention layers keep their caches in KV cache groups (gpu_worker/kv_cache_groups.py)."""
     return {
         "pooler_dense": pooler_dense,
+        "hybrid_kv_cache": hybrid_kv_cache,
         "model_path_or_config": str(model), "device": config.device, "dtype": config.dtype,
         "max_model_len": max_model_len, "max_num_seqs": config.scheduler.max_num_seqs,
         "max_num_batched_tokens": config.scheduler.token_budget, "num_cpus": num_cpus, "seed": config.seed,
@@ -188,6 +192,11 @@ class _ExecutorBase(Executor):
                              f"({self.model_config.raw['architectures'][0]}: embeddings or classes only); serve it "
                              "with --runner pooling or auto")
         embeds_only = self.model_config.embedding_only or config.runner == "pooling"
+        # A model mixing full-attention and windowed layers: its KV cache groups (None: one group).
+        self.kv_cache_grouping, single_group_reason = hybrid_kv_cache_grouping(self.model_config, config)
+        if single_group_reason:
+            logger.info("engine %d: the hybrid KV cache manager is off (%s): the windowed layers keep every block of "
+                        "a request, as the full-attention ones do", config.engine_index, single_group_reason)
         draft = draft_model_reference(config)
         spec = config.speculative_config
         if embeds_only and spec is not None and spec.proposes_in_workers:
@@ -333,6 +342,7 @@ class _ExecutorBase(Executor):
             inputs_need_token_ids=self.model_config.gemma3n is not None or bool(
                 self.model_config.gemma4 is not None and self.model_config.gemma4.hidden_size_per_layer_input),
             kv_cache_shapes_differ=len(set(self.model_config.attention_layer_geometry)) > 1,
+            kv_cache_groups=self.kv_cache_grouping.engine_windows if self.kv_cache_grouping is not None else (),
             pooling=PoolingInfo(generates=not embeds_only, pooling_type=pooler.pooling_type,
                                 normalize=pooler.normalize, unavailable=pooling_unavailable,
                                 labels=self.model_config.labels,
@@ -445,7 +455,8 @@ class UniProcExecutor(_ExecutorBase):
     def _new_worker(self):
         worker = self._worker_cls(rank=0, world_size=1, **_worker_kwargs(self.config, self.worker_model,
                                                                          self.max_model_len, self._num_cpus,
-                                                                         self.pooler_dense))
+                                                                         self.pooler_dense,
+                                                                         self.kv_cache_grouping is not None))
         worker.load_model()
         for lora in self._loras.values():
             worker.add_lora(lora)
@@ -489,7 +500,8 @@ class UniProcExecutor(_ExecutorBase):
             # CPU default: enough blocks for max_num_seqs full-length sequences, capped at 1 GiB, and
             # room for the recurrent states beside them (a model with recurrent layers).
             per_block = self._live().bytes_per_block(self.config.block_size)
-            args["kv_cache_memory_bytes"] = (default_cpu_kv_bytes(self.config, self.max_model_len, per_block)
+            args["kv_cache_memory_bytes"] = (default_cpu_kv_bytes(self.config, self.max_model_len, per_block,
+                                                                  self.kv_cache_grouping)
                                              + self._live().mamba_state_bytes())
         return self._live().determine_num_blocks(**args)
 
@@ -514,8 +526,13 @@ class UniProcExecutor(_ExecutorBase):
         return self.worker
 
 
-def default_cpu_kv_bytes(config: EngineConfig, max_model_len: int, bytes_per_block: int) -> int:
-    blocks_wanted = config.scheduler.max_num_seqs * -(-max_model_len // config.block_size)
+def default_cpu_kv_bytes(config: EngineConfig, max_model_len: int, bytes_per_block: int,
+                         grouping: KVCacheGrouping | None = None) -> int:
+    """max_num_seqs full-length sequences' blocks (under the hybrid KV cache manager, ``grouping``'s: a
+    block in every group, a windowed group's as many as its window bounds), capped at 1 GiB."""
+    windows = grouping.engine_windows if grouping is not None else (None,)
+    blocks_wanted = config.scheduler.max_num_seqs * blocks_held_bound(max_model_len, windows,
+                                                                      config.scheduler.token_budget, config.block_size)
     return min(blocks_wanted * bytes_per_block, 1 << 30)
 
 
@@ -570,7 +587,7 @@ class RayWorkerGroupExecutor(_ExecutorBase):
             workers.append(actor_cls.options(**options).remote(
                 rank=rank, world_size=tp, pipeline_parallel_size=self.config.pipeline_parallel_size,
                 **_worker_kwargs(self.config, self.worker_model, self.max_model_len, max(1, int(num_cpus)),
-                                 self.pooler_dense)))
+                                 self.pooler_dense, self.kv_cache_grouping is not None)))
         self.workers = workers
         # Sync actors run every call on their main thread: lowering it before load_model covers
         # the thread that computes and the torch threads it starts.
@@ -624,8 +641,8 @@ class RayWorkerGroupExecutor(_ExecutorBase):
                 # (The rank holding the most layers: pipeline stages may hold one more than others.)
                 per_block = max(ray.get([w.bytes_per_block.remote(self.config.block_size) for w in self.workers]))
                 states = max(ray.get([w.mamba_state_bytes.remote() for w in self.workers]))
-                args["kv_cache_memory_bytes"] = (default_cpu_kv_bytes(self.config, self.max_model_len, per_block)
-                                                 + states)
+                args["kv_cache_memory_bytes"] = (default_cpu_kv_bytes(self.config, self.max_model_len, per_block,
+                                                                      self.kv_cache_grouping) + states)
         results = self._run_all("determine_num_blocks", *args.values())
         return min(results)
 

@@ -34,7 +34,9 @@ from gpu_worker.distributed import get_tp_rank
 from gpu_worker.draft_model import DraftModel, PassInputs
 from gpu_worker.encoder_metadata import EncoderMetadata
 from gpu_worker.hidden_state_drafter import HiddenStateDrafter
-from gpu_worker.kv_cache import FP8_DTYPES, allocate_layer_kv_caches, copy_kv_blocks
+from gpu_worker.kv_cache import FP8_DTYPES, allocate_kv_cache, allocate_layer_kv_caches, copy_kv_blocks
+from gpu_worker.kv_cache_groups import KVCacheGrouping, group_attention_layers
+from gpu_worker.layers.attention import PagedAttention
 from gpu_worker.layers.mamba import MambaMixer2, MambaState, mamba_step_metadata
 from gpu_worker.layers.rotary import longrope_rows
 from gpu_worker.layers.weight_utils import WeightLike
@@ -83,8 +85,12 @@ class ModelRunner:
                  max_logprobs: int = 20, logits_processors: LogitsProcessorBatch | None = None,
                  logprobs_mode: str = "raw_logprobs",
                  mamba_state_dtypes: tuple[torch.dtype, torch.dtype] | None = None,
-                 num_recurrent_state_slots: int = 0) -> None:
+                 num_recurrent_state_slots: int = 0, hybrid_kv_cache: bool = False) -> None:
         self.config = model_config
+        # The hybrid KV cache manager: the attention layers keep their caches in KV cache groups
+        # (gpu_worker/kv_cache_groups.py), laid out at load_model.
+        self.hybrid_kv_cache = hybrid_kv_cache
+        self.kv_cache_grouping: KVCacheGrouping | None = None
         self.device = torch.device(device)
         self.dtype = dtype
         # The KV cache's storage dtype (None: the model's); fp8 halves (bf16) or quarters (fp32) it.
@@ -172,6 +178,8 @@ class ModelRunner:
         self.mamba_mixers = model.mamba_layers() if hasattr(model, "mamba_layers") else []
         # The sliding windows the layers attend with (None: full attention): one metadata each per step.
         self.attention_windows = frozenset(layer.sliding_window for layer in model.attention_layers())
+        if self.hybrid_kv_cache:
+            self.kv_cache_grouping = self._kv_cache_grouping(model.attention_layers())
         # LongRoPE: where the short factors' rotary rows start, and the length above which they stop.
         rotary = getattr(model.model, "rotary_emb", None)  # (an encoder's positions are embedded)
         if rotary is not None:
@@ -367,6 +375,19 @@ class ModelRunner:
         if self.drafter is not None:  # (on the same block ids, and the same host slots)
             self.drafter.initialize_kv_cache(num_blocks, block_size, num_offload_blocks)
 
+    def _kv_cache_grouping(self, layers: list[nn.Module]) -> KVCacheGrouping:
+        """The KV cache groups of ``layers``, which the engine's scheduler keeps blocks for: refused where
+        the layers are not what the model's config said (the engine planned its groups from it)."""
+        grouping = group_attention_layers([layer.sliding_window for layer in layers])
+        config_windows = [self.config.layer_sliding_window(i) for i in range(self.config.num_hidden_layers)]
+        if (grouping is None or grouping != group_attention_layers(config_windows)
+                or not all(isinstance(layer, PagedAttention) for layer in layers)
+                or len({(layer.num_kv_heads, layer.head_dim) for layer in layers}) > 1):
+            raise ValueError(f"{self.config.architecture}: the hybrid KV cache manager needs paged attention layers of "
+                             "one shape mixing full attention and one window as the config lists them: serve it with "
+                             "--disable-hybrid-kv-cache-manager")
+        return grouping
+
     def _allocate_kv_cache(self, num_blocks: int, block_size: int, num_offload_blocks: int | None = None) -> None:
         """This model's own cache and host tier (``initialize_kv_cache``; on waking up, as before)."""
         if self.model is None:
@@ -380,9 +401,20 @@ class ModelRunner:
                 pin_memory=self.device.type == "cuda") if layers and num_offload_blocks else []
         # (An encoder attends within the pass: it has no layer to give a cache to, and the blocks
         # only count its tokens for the scheduler.)
-        self.kv_caches = allocate_layer_kv_caches(layers, num_blocks, block_size, self.kv_cache_dtype, self.device)
-        for layer, cache in zip(layers, self.kv_caches, strict=True):
-            layer.kv_cache = cache
+        grouping = self.kv_cache_grouping
+        if grouping is not None:
+            # (Group g's layer j keeps its cache in shared tensor j: a block id is a page of each.)
+            shared = allocate_kv_cache(grouping.group_size, num_blocks, block_size, layers[0].num_kv_heads,
+                                       layers[0].head_dim, self.kv_cache_dtype, self.device)
+            for group, indexes in enumerate(grouping.layers):
+                for j, i in enumerate(indexes):
+                    layers[i].kv_cache, layers[i].kv_group = shared[j], group
+            self.kv_caches = [layer.kv_cache for layer in layers]
+        else:
+            self.kv_caches = allocate_layer_kv_caches(layers, num_blocks, block_size, self.kv_cache_dtype,
+                                                      self.device)
+            for layer, cache in zip(layers, self.kv_caches, strict=True):
+                layer.kv_cache = cache
         self._bind_mamba_states(self.max_num_seqs)
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -892,9 +924,12 @@ class ModelRunner:
                 (t for s, a, b in zip(states, starts.tolist(), ends.tolist(), strict=True) for t in s.token_ids[a:b]),
                 dtype=np.int64, count=num_tokens)
         slot_mapping = compute_slot_mapping(block_table, req_index, positions, block_size)
+        # (The hybrid KV cache manager's further groups: each its own blocks at the same positions.)
+        group_tables = [(table, compute_slot_mapping(table, req_index, positions, block_size))
+                        for table in (t.gather(rows, block_table.shape[1]) for t in self.requests.group_tables)]
         meta = self.attention_metadata(block_table, num_blocks, query_start_loc, starts, num_decodes, slot_mapping,
                                         block_size, self.decode_in_place,
-                                        self._bidirectional_images(states, starts, ends))
+                                        self._bidirectional_images(states, starts, ends), group_tables)
         if self.lora is not None:
             self.lora.set_batch([s.lora_int_id for s in states], query_start_loc)
         if self.mamba_mixers:
@@ -1202,20 +1237,29 @@ class ModelRunner:
 
     def attention_metadata(self, block_table: np.ndarray, num_blocks: np.ndarray, query_start_loc: np.ndarray,
                             starts: np.ndarray, num_decodes: int, slot_mapping: np.ndarray, block_size: int,
-                            decode_in_place: bool, bidirectional: dict[int, list[tuple[int, int]]] | None = None
-                            ) -> AttentionMetadata:
+                            decode_in_place: bool, bidirectional: dict[int, list[tuple[int, int]]] | None = None,
+                            group_tables: list[tuple[np.ndarray, np.ndarray]] | None = None) -> AttentionMetadata:
         """This step's metadata for the model's layers: full attention, a sliding window, or (Qwen2's
         upper layers) both, the windowed one hung on the full one. ``bidirectional``: Gemma 3's
-        images' position ranges, by request index (see build_attention_metadata)."""
+        images' position ranges, by request index (see build_attention_metadata). ``group_tables``:
+        under the hybrid KV cache manager, each further group's (block table, slot mapping): each
+        group's metadata then reads its own blocks (AttentionMetadata.groups)."""
         # (The layers' one window besides full attention: a sliding one, or Llama 4's chunks.)
         windows = self.attention_windows
         window = next((w for w in windows if w is not None), None)
         if decode_in_place:
             num_decodes = self._decode_requests(query_start_loc, num_decodes, bidirectional)
+        grouping = self.kv_cache_grouping
         meta = build_attention_metadata(block_table, num_blocks, query_start_loc, starts, num_decodes, slot_mapping,
                                         block_size, self.device, decode_in_place,
                                         window=None if None in windows else window, bidirectional=bidirectional)
-        if None in windows and window in windows:
+        if group_tables and grouping is not None:
+            meta.groups = [meta, *(build_attention_metadata(table, num_blocks, query_start_loc, starts, num_decodes,
+                                                            slots, block_size, self.device, decode_in_place,
+                                                            window=group_window, bidirectional=bidirectional)
+                                   for (table, slots), group_window in zip(group_tables, grouping.windows[1:],
+                                                                           strict=True))]
+        elif None in windows and window in windows:
             meta.windowed = build_attention_metadata(block_table, num_blocks, query_start_loc, starts, num_decodes,
                                                      meta.slot_mapping, block_size, self.device, decode_in_place,
                                                      window=window, bidirectional=bidirectional)

@@ -147,6 +147,8 @@ class RequestStates:
         self.embedding_ids: set[str] = set()
         # The block ids of every held request (a row each); parked requests hold none.
         self.block_table = BlockTable()
+        # Under the hybrid KV cache manager, each KV cache group's after group 0 (block_table's), in its rows.
+        self.group_tables: list[BlockTable] = []
         # Held requests whose last verifying pass computed tokens the scheduler did not keep (drafts it
         # rejected, or accepted drafts after a stop), as this update says: table row -> the drafts kept
         # (the model runner puts their recurrent states back to after those).
@@ -178,6 +180,13 @@ class RequestStates:
         if state is not None:
             self.block_table.free(state.table_row)
         return state
+
+    def _hold_groups(self, row: int, group_block_ids: list[list[int]]) -> None:
+        """The hybrid KV cache manager's further groups' blocks of the request in ``row`` (none without it)."""
+        while len(self.group_tables) < len(group_block_ids):
+            self.group_tables.append(BlockTable())
+        for table, block_ids in zip(self.group_tables, group_block_ids, strict=False):
+            table.put(row, block_ids)
 
     def _hold(self, state: RequestState, block_ids: list[int]) -> None:
         """Hold ``state``, its blocks in a row of the table. One replacing a held request of the same
@@ -237,6 +246,7 @@ class RequestStates:
             lora_int_id=new.lora_request.lora_int_id if new.lora_request is not None else 0,
             prompt_embeds=None if new.prompt_embeds is None else self._host_rows(new.prompt_embeds.to_tensor()),
             mm_features=new.mm_features), list(new.block_ids))
+        self._hold_groups(self.states[new.req_id].table_row, new.group_block_ids)
 
     def _host_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Prompt embeddings kept off the device (they are not in its memory budget): in the model's
@@ -265,6 +275,8 @@ class RequestStates:
                     # Resumed after its prompt logprobs went out: recomputing the prompt sends nothing.
                     prompt_logprobs_sent=parked.prompt_logprobs_sent, lora_int_id=parked.lora_int_id,
                     prompt_embeds=parked.prompt_embeds, mm_features=parked.mm_features), block_ids)
+                if cached.new_group_block_ids:
+                    self._hold_groups(self.states[req_id].table_row, cached.new_group_block_ids[i] or [])
                 continue
             state = self.states.get(req_id)
             if state is None:
@@ -283,4 +295,7 @@ class RequestStates:
             state.num_computed_tokens = start
             if blocks:
                 self.block_table.write(state.table_row, state.num_blocks, blocks)
+                if cached.new_group_block_ids:
+                    for table, group_blocks in zip(self.group_tables, cached.new_group_block_ids[i] or (), strict=True):
+                        table.write(state.table_row, state.num_blocks, group_blocks)
                 state.num_blocks += len(blocks)

@@ -28,7 +28,14 @@ from gpu_worker.config import (
     with_overrides,
 )
 from gpu_worker.eagle_config import EAGLE_METHODS, eagle_head_config
-from gpu_worker.kv_cache import model_bytes_per_block, num_blocks_for_budget, resolve_kv_cache_dtype
+from gpu_worker.kv_cache import (
+    kv_cache_bytes_per_block,
+    model_bytes_per_block,
+    num_blocks_for_budget,
+    num_kv_heads_per_rank,
+    resolve_kv_cache_dtype,
+)
+from gpu_worker.kv_cache_groups import group_attention_layers
 from gpu_worker.layers.weight_utils import WeightLike
 from gpu_worker.logits_processor_batch import LogitsProcessorBatch
 from gpu_worker.lora.manager import LoRAManager
@@ -113,7 +120,8 @@ class Worker:
                  mm_processor_kwargs: dict[str, Any] | None = None, language_model_only: bool = False,
                  videos_refused: bool = False, mtp_drafter: bool = False,
                  draft_method: str = "draft_model", mamba_cache_dtype: str = "auto",
-                 mamba_ssm_cache_dtype: str = "auto", num_recurrent_state_slots: int = 0) -> None:
+                 mamba_ssm_cache_dtype: str = "auto", num_recurrent_state_slots: int = 0,
+                 hybrid_kv_cache: bool = False) -> None:
         # ``rank``: over every stage's ranks (stage rank // world_size); ``world_size``: the
         # tensor-parallel ranks of one stage.
         self.rank = rank
@@ -156,6 +164,13 @@ class Worker:
         # The recurrent states the prefix cache keeps beside the live ones (--mamba-cache-mode align).
         self.num_recurrent_state_slots = num_recurrent_state_slots if self.model_config.mamba is not None else 0
         self.max_model_len = max_model_len
+        # The attention layers keep their caches in KV cache groups (gpu_worker/kv_cache_groups.py): a
+        # block is a page of each of the groups' shared tensors.
+        self.kv_cache_grouping = (group_attention_layers([self.model_config.layer_sliding_window(i)
+                                                          for i in range(self.model_config.num_hidden_layers)])
+                                  if hybrid_kv_cache else None)
+        if hybrid_kv_cache and self.kv_cache_grouping is None:
+            raise ValueError("hybrid_kv_cache: the model does not mix full-attention and windowed layers")
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_spec_tokens = num_spec_tokens
@@ -232,7 +247,8 @@ class Worker:
                                   max_logprobs=self.max_logprobs, logprobs_mode=self.logprobs_mode,
                                   logits_processors=self._logits_processor_batch(),
                                   mamba_state_dtypes=self.mamba_state_dtypes,
-                                  num_recurrent_state_slots=self.num_recurrent_state_slots)
+                                  num_recurrent_state_slots=self.num_recurrent_state_slots,
+                                  hybrid_kv_cache=self.kv_cache_grouping is not None)
         self.runner.load_model(self._weight_source())
         if self.draft_config is not None and self.draft_config.eagle is not None:
             self.runner.load_eagle_drafter(self.draft_config, self.draft_model_dir, self.num_spec_tokens)
@@ -269,8 +285,16 @@ class Worker:
     def bytes_per_block(self, block_size: int) -> int:
         """A block's bytes on this rank: its stage's layers' KV cache, and the drafter's beside it (a
         draft model's, the MTP layer's)."""
-        per_block = model_bytes_per_block(self.model_config, block_size, self.world_size, self.kv_cache_dtype,
-                                          self._num_stage_attention_layers())
+        config = self.model_config
+        if self.kv_cache_grouping is not None:  # (a page of each of the groups' shared tensors; layers of one shape)
+            heads, head_dim = (config.attention_layer_geometry[0] if config.attention_layer_geometry
+                               else (config.num_key_value_heads, config.head_dim))
+            per_block = kv_cache_bytes_per_block(self.kv_cache_grouping.group_size, block_size,
+                                                 num_kv_heads_per_rank(heads, self.world_size), head_dim,
+                                                 self.kv_cache_dtype)
+        else:
+            per_block = model_bytes_per_block(config, block_size, self.world_size, self.kv_cache_dtype,
+                                              self._num_stage_attention_layers())
         if self.draft_config is not None:
             per_block += model_bytes_per_block(self.draft_config, block_size, self.world_size, self.kv_cache_dtype)
         if self.mtp_config is not None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 from engine_core.core.block_residency import BlockResidency
 from engine_core.core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock
@@ -102,24 +102,28 @@ class BlockPool:
         if copies is None or copies.pop(block.block_id, None) is None or copies:
             return False
         del self.cached_block_hash_to_block[block_hash]  # type: ignore[arg-type]
+        if not isinstance(block_hash, bytes):  # (a windowed group's (group, hash): no event, nothing offloaded)
+            return False
         if self.kv_events is not None:
             self._event(BLOCKS_REMOVED, block_hash)
         return True
 
     def cache_full_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash],
-                          start: int, end: int) -> None:
+                          start: int, end: int, key: Callable[[BlockHash], Hashable] | None = None) -> None:
         """Register blocks[start:end] under their hashes; a hash another block already holds gets
-        this block as a further copy (KV events report a hash once, when its first copy is cached)."""
+        this block as a further copy (KV events report a hash once, when its first copy is cached).
+        ``key``: the cache's key for a hash (a hybrid model's windowed group keys its blocks by
+        (group, hash): KV events follow the full-attention group's, the plain hashes, alone)."""
         cached = self.cached_block_hash_to_block
         for i in range(start, end):
             block = blocks[i]
             if block.block_hash is not None:
                 continue
-            block_hash = block_hashes[i]
+            block_hash = block_hashes[i] if key is None else key(block_hashes[i])
             copies = cached.get(block_hash)
             if copies is None:
                 copies = cached[block_hash] = {}
-                if self.kv_events is not None:
+                if self.kv_events is not None and key is None:
                     self._event(BLOCKS_STORED, block_hash)
             block.block_hash = block_hash
             copies[block.block_id] = block

@@ -5,13 +5,23 @@ that lie wholly before the window of its next token are released as it advances,
 SlidingWindowManager does: they go back to the pool (still in the prefix cache until evicted) and a
 placeholder keeps their place in the request's list, so block indexes stay positions // block_size.
 The model runner never reads them: its attention starts at each request's window.
+
+A model mixing full-attention and windowed layers (Gemma 2/3, GPT-OSS, Cohere2, Llama 4's chunked
+layers) keeps, under the hybrid KV cache manager (vLLM's), a list of blocks per KV cache group and
+request: group 0's (full attention) as above, and each further group's at the same positions, those
+behind its window released the same way (``_WindowedGroup``). The groups share one pool: a block id
+addresses a page of each of the workers' shared tensors (gpu_worker/kv_cache_groups.py), so a
+windowed group's blocks cost as much as a full one's, and a long request holds the full group's
+blocks and a window's worth of each windowed group's. A windowed group's blocks are cached under
+(group, hash); a prefix hit needs the full group's blocks up to it and each windowed group's from the
+window of its first token computed.
 """
 
 from __future__ import annotations
 
 from engine_core.core.block_pool import BlockPool
 from engine_core.core.block_residency import BlockResidency
-from engine_core.core.kv_cache_utils import KVCacheBlock, extend_block_hashes
+from engine_core.core.kv_cache_utils import AttentionWindow, KVCacheBlock, extend_block_hashes
 from engine_core.core.kv_offload import OffloadTier
 from engine_core.core.recurrent_state_cache import RecurrentStateCache
 from engine_core.outputs import PrefixCacheStats
@@ -19,15 +29,28 @@ from engine_core.request import Request
 
 
 class KVCacheBlocks:
-    """A set of blocks handed back by the manager (what vLLM's allocate_slots returns)."""
+    """A set of blocks handed back by the manager (what vLLM's allocate_slots returns): group 0's, and
+    under the hybrid KV cache manager each further group's at the same positions (``group_blocks``)."""
 
-    __slots__ = ("blocks",)
+    __slots__ = ("blocks", "group_blocks")
 
-    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+    def __init__(self, blocks: list[KVCacheBlock], group_blocks: tuple[list[KVCacheBlock], ...] = ()) -> None:
         self.blocks = blocks
+        self.group_blocks = group_blocks
 
     def get_block_ids(self) -> list[int]:
         return [b.block_id for b in self.blocks]
+
+    def get_group_block_ids(self) -> list[list[int]]:
+        """Each further group's block ids (none without the hybrid KV cache manager)."""
+        return [[b.block_id for b in blocks] for blocks in self.group_blocks]
+
+    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
+        """These blocks, then ``other``'s, group by group (a request given slots twice in a pass)."""
+        if not self.group_blocks or not other.group_blocks:  # (one of them has no blocks)
+            return KVCacheBlocks(self.blocks + other.blocks, self.group_blocks or other.group_blocks)
+        return KVCacheBlocks(self.blocks + other.blocks,
+                             tuple(a + b for a, b in zip(self.group_blocks, other.group_blocks, strict=True)))
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -41,12 +64,48 @@ class KVCacheBlocks:
 RELEASED_BLOCK = KVCacheBlock(0)
 
 
+class _WindowedGroup:
+    """A windowed KV cache group of a hybrid model (after group 0, the full-attention one): each
+    request's blocks at the same positions as group 0's, those wholly before the first key of its next
+    token released (RELEASED_BLOCK in their place), its blocks cached under (group, hash)."""
+
+    def __init__(self, index: int, window: AttentionWindow | None) -> None:
+        self.index = index
+        # (None: full attention, a further full group where there are more full layers than a group holds.)
+        self.window = window
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_block: dict[str, int] = {}
+        self.num_released_block: dict[str, int] = {}
+
+    def key(self, block_hash: bytes) -> tuple[int, bytes]:
+        return self.index, block_hash
+
+    def first_needed_block(self, num_tokens: int, block_size: int) -> int:
+        """The first block the token at position ``num_tokens`` attends to."""
+        return 0 if self.window is None else self.window.first_key(num_tokens) // block_size
+
+    def longest_hit(self, pool: BlockPool, block_hashes: list[bytes], num_blocks: int, block_size: int) -> int:
+        """The most of the first ``num_blocks`` blocks a prefix hit may cover for this group: m such
+        that its blocks from the window of position m * block_size to m are all cached. (A block missing
+        below m is needed by every hit from it up to m, since a window's first block never moves back.)"""
+        m = num_blocks
+        while m > 0:
+            first = self.first_needed_block(m * block_size, block_size)
+            missing = next((j for j in range(m - 1, first - 1, -1)
+                            if pool.get_cached_block(self.key(block_hashes[j])) is None), None)  # type: ignore[arg-type]
+            if missing is None:
+                return m
+            m = missing
+        return 0
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  log_stats: bool = True, sliding_window: int | None = None,
                  long_rope_after: int | None = None, kv_cache_metrics_sample: float | None = None,
                  max_model_len: int | None = None, num_offload_blocks: int = 0,
-                 num_recurrent_state_slots: int = 0) -> None:
+                 num_recurrent_state_slots: int = 0,
+                 kv_cache_groups: tuple[AttentionWindow | None, ...] = ()) -> None:
         self.block_size = block_size
         # Lookahead slots (a draft model's) never reach past the longest context a request may have.
         self.max_model_len = max_model_len
@@ -81,6 +140,10 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many of a request's leading blocks are registered (or known) in the prefix cache.
         self.num_cached_block: dict[str, int] = {}
+        # The hybrid KV cache manager's groups after group 0 (these dicts' own): none otherwise.
+        if kv_cache_groups and (kv_cache_groups[0] is not None or sliding_window is not None):
+            raise ValueError("kv_cache_groups: group 0 attends fully (and no sliding_window beside them)")
+        self.groups = [_WindowedGroup(i, w) for i, w in enumerate(kv_cache_groups[1:], start=1)]
         self.prefix_cache_stats = PrefixCacheStats()
         # The offloading tier's lookups (vLLM's connector_prefix_cache_stats: vLLM offloads through a
         # KV connector): the request's tokens queried, the tokens its blocks after the device hit hold.
@@ -116,6 +179,9 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        group_hits: tuple[list[KVCacheBlock], ...] = ()
+        if self.groups and hits:
+            group_hits = self._group_hits(request.block_hashes, hits)
         if self.recurrent_states is not None:
             # (Recurrent layers start from a kept state: the hit ends where the last one stands.)
             num_kv_blocks = len(hits)
@@ -127,7 +193,27 @@ class KVCacheManager:
         num_hit_tokens = len(hits) * block_size
         if record:
             self.record_lookup(request, num_hit_tokens)
-        return (KVCacheBlocks(hits) if hits else self._empty), num_hit_tokens
+        return (KVCacheBlocks(hits, group_hits) if hits else self._empty), num_hit_tokens
+
+    def _group_hits(self, block_hashes: list[bytes], hits: list[KVCacheBlock]) -> tuple[list[KVCacheBlock], ...]:
+        """Cut group 0's ``hits`` to the longest prefix every windowed group holds too, and each such
+        group's blocks for it (RELEASED_BLOCK behind the window of the first token computed)."""
+        pool, block_size = self.block_pool, self.block_size
+        num_hit = len(hits)
+        while True:  # (each group may shorten the hit, which moves the others' windows: until none does)
+            shortest = num_hit
+            for group in self.groups:
+                shortest = group.longest_hit(pool, block_hashes, shortest, block_size)
+            if shortest == num_hit:
+                break
+            num_hit = shortest
+        del hits[num_hit:]
+        group_hits = []
+        for group in self.groups:
+            first = group.first_needed_block(num_hit * block_size, block_size)
+            group_hits.append([RELEASED_BLOCK] * first + [pool.get_cached_block(group.key(h))  # type: ignore[misc]
+                                                          for h in block_hashes[first:num_hit]])
+        return tuple(group_hits)
 
     def record_lookup(self, request: Request, num_hit_tokens: int) -> None:
         if self.log_stats and self.enable_caching and not request.sampling_params.skip_reading_prefix_cache:
@@ -227,6 +313,9 @@ class KVCacheManager:
         req_blocks = self.req_to_blocks.get(req_id)
         if self.sliding_window is not None and req_blocks is not None:
             self._release_blocks_behind_window(request, req_blocks)
+        if self.groups and req_blocks is not None:
+            for group in self.groups:
+                self._release_group_blocks(request, group)
         if new_computed_blocks is None and req_blocks is not None:
             # Fast path for a running request (every decode, every pass): usually no new block.
             num_tokens = request.num_computed_tokens + num_new_tokens
@@ -246,11 +335,15 @@ class KVCacheManager:
         if computed and self.sliding_window is not None and req_blocks is None:
             num_behind = min(max((num_computed_tokens - self.sliding_window + 1) // self.block_size, 0),
                              len(computed))
+        # (A windowed group's prefix-hit blocks behind its window are RELEASED_BLOCK already.)
+        group_computed = (new_computed_blocks.group_blocks if new_computed_blocks is not None
+                          and new_computed_blocks.group_blocks else ((),) * len(self.groups))
         pool = self.block_pool
         if num_new_blocks > 0 or computed:
             # Touching a free cached block takes it out of the free queue, so it costs capacity too.
-            num_evictable = sum(1 for b in computed[num_behind:] if b.ref_cnt == 0)
-            if max(num_new_blocks, 0) + num_evictable > pool.free_block_queue.num_free_blocks:
+            num_evictable = sum(1 for b in computed[num_behind:] if b.ref_cnt == 0) + sum(
+                1 for blocks in group_computed for b in blocks if b.ref_cnt == 0 and b is not RELEASED_BLOCK)
+            if max(num_new_blocks, 0) * (1 + len(self.groups)) + num_evictable > pool.free_block_queue.num_free_blocks:
                 return None
             if req_blocks is None:
                 req_blocks = self.req_to_blocks[req_id] = []
@@ -265,26 +358,60 @@ class KVCacheManager:
                 req_blocks.extend(computed)
             new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
             req_blocks.extend(new_blocks)
+            group_new = tuple(self._extend_group(request, group, hit, num_new_blocks)
+                              for group, hit in zip(self.groups, group_computed, strict=True))
         else:
-            new_blocks = []
+            new_blocks, group_new = [], ()
         if self.enable_caching and req_blocks is not None and not delay_cache_blocks:
             self._cache_full_blocks(request, req_blocks, min(num_computed_tokens + num_new_tokens, request.num_tokens))
-        return KVCacheBlocks(new_blocks) if new_blocks else self._empty
+        return KVCacheBlocks(new_blocks, group_new) if new_blocks else self._empty
+
+    def _extend_group(self, request: Request, group: _WindowedGroup, computed: list[KVCacheBlock] | tuple[()],
+                      num_new_blocks: int) -> list[KVCacheBlock]:
+        """A windowed group's side of allocate_slots: its prefix-hit blocks (a new request's), then
+        ``num_new_blocks`` new ones, so its list keeps group 0's positions; returns the new ones."""
+        req_id = request.request_id
+        blocks = group.req_to_blocks.get(req_id)
+        if blocks is None:
+            blocks = group.req_to_blocks[req_id] = []
+            group.num_cached_block[req_id] = len(computed)
+            num_released = sum(1 for b in computed if b is RELEASED_BLOCK)
+            if num_released:
+                group.num_released_block[req_id] = num_released
+            self.block_pool.touch(computed[num_released:])
+            blocks.extend(computed)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
+        blocks.extend(new_blocks)
+        assert len(blocks) == len(self.req_to_blocks[req_id]), "a KV cache group's blocks left group 0's positions"
+        return new_blocks
 
     def _release_blocks_behind_window(self, request: Request, req_blocks: list[KVCacheBlock]) -> None:
         """Release the blocks wholly before the first key the request's next token attends to
-        (position num_computed_tokens sees keys from num_computed_tokens - window + 1 on). Only
-        blocks already registered in the prefix cache go, so none is ever cached as a placeholder."""
-        req_id = request.request_id
+        (position num_computed_tokens sees keys from num_computed_tokens - window + 1 on)."""
         num_behind = (request.num_computed_tokens - self.sliding_window + 1) // self.block_size
+        self._release_behind(request.request_id, req_blocks, num_behind, self.num_cached_block,
+                             self.num_released_block)
+
+    def _release_group_blocks(self, request: Request, group: _WindowedGroup) -> None:
+        """_release_blocks_behind_window for a windowed group of the hybrid KV cache manager."""
+        if group.window is not None:
+            req_id = request.request_id
+            self._release_behind(req_id, group.req_to_blocks[req_id],
+                                 group.window.first_key(request.num_computed_tokens) // self.block_size,
+                                 group.num_cached_block, group.num_released_block)
+
+    def _release_behind(self, req_id: str, blocks: list[KVCacheBlock], num_behind: int, num_cached: dict[str, int],
+                        num_released_block: dict[str, int]) -> None:
+        """Release ``blocks``' first ``num_behind``, RELEASED_BLOCK taking their places. Only blocks already
+        registered in the prefix cache go, so none is ever cached as a placeholder."""
         if self.enable_caching:
-            num_behind = min(num_behind, self.num_cached_block[req_id])
-        num_released = self.num_released_block.get(req_id, 0)
+            num_behind = min(num_behind, num_cached[req_id])
+        num_released = num_released_block.get(req_id, 0)
         if num_behind <= num_released:
             return
-        released = req_blocks[num_released:num_behind]
-        req_blocks[num_released:num_behind] = [RELEASED_BLOCK] * len(released)
-        self.num_released_block[req_id] = num_behind
+        released = blocks[num_released:num_behind]
+        blocks[num_released:num_behind] = [RELEASED_BLOCK] * len(released)
+        num_released_block[req_id] = num_behind
         # Latest first, like free(): a prefix stays in the cache longer than what follows it.
         self.block_pool.free_blocks(reversed(released))
 
@@ -300,6 +427,13 @@ class KVCacheManager:
                             request.mm_features)
         self.block_pool.cache_full_blocks(req_blocks, request.block_hashes, num_cached, num_full_blocks)
         self.num_cached_block[req_id] = num_full_blocks
+        for group in self.groups:
+            # (A windowed group's blocks from where it last cached: never a released one, which goes only once cached.)
+            num_group_cached = group.num_cached_block[req_id]
+            if num_full_blocks > num_group_cached:
+                self.block_pool.cache_full_blocks(group.req_to_blocks[req_id], request.block_hashes, num_group_cached,
+                                                  num_full_blocks, key=group.key)
+                group.num_cached_block[req_id] = num_full_blocks
 
     def uncache_uncomputed_blocks(self, request: Request) -> None:
         """Undo the caching of blocks this pass allocated but will not compute (a victim of
@@ -309,6 +443,8 @@ class KVCacheManager:
             return
         first_uncomputed = request.num_computed_tokens // self.block_size
         self.block_pool.uncache_blocks(req_blocks[first_uncomputed:])
+        for group in self.groups:
+            self.block_pool.uncache_blocks(group.req_to_blocks.get(request.request_id, ())[first_uncomputed:])
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its tail is evicted before its prefix."""
@@ -319,9 +455,19 @@ class KVCacheManager:
         num_released = self.num_released_block.pop(request.request_id, 0)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks[num_released:]))
+        for group in self.groups:
+            group_blocks = group.req_to_blocks.pop(request.request_id, None)
+            group.num_cached_block.pop(request.request_id, None)
+            num_released = group.num_released_block.pop(request.request_id, 0)
+            if group_blocks:
+                self.block_pool.free_blocks(reversed(group_blocks[num_released:]))
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def get_group_block_ids(self, request_id: str) -> list[list[int]]:
+        """The request's block ids in each group after group 0 (none without the hybrid KV cache manager)."""
+        return [[b.block_id for b in group.req_to_blocks.get(request_id, ())] for group in self.groups]
 
     def get_num_blocks(self, request_id: str) -> int:
         """The request's block positions (a block released behind its window still counts)."""
@@ -329,8 +475,10 @@ class KVCacheManager:
         return len(blocks) if blocks else 0
 
     def get_num_held_blocks(self, request_id: str) -> int:
-        """The blocks the request holds in the pool (its released ones not counted)."""
-        return self.get_num_blocks(request_id) - self.num_released_block.get(request_id, 0)
+        """The blocks the request holds in the pool (its released ones not counted), in every group."""
+        return self.get_num_blocks(request_id) - self.num_released_block.get(request_id, 0) + sum(
+            len(group.req_to_blocks.get(request_id, ())) - group.num_released_block.get(request_id, 0)
+            for group in self.groups)
 
     def reset_prefix_cache(self) -> bool:
         if not self.block_pool.reset_prefix_cache():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -69,6 +70,35 @@ def extend_block_hashes(block_hashes: list[BlockHash], token_ids: Sequence[int],
                 extra = (*(extra or ()), *images)
         parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size], extra)
         block_hashes.append(parent)
+
+
+@dataclass(frozen=True)
+class AttentionWindow:
+    """The keys a KV cache group's layers attend to: the query at position p sees those from
+    p - size + 1 on (a sliding window), or, ``chunked``, those of its chunk, from p - p % size
+    (Llama 4's local layers)."""
+
+    size: int
+    chunked: bool = False
+
+    def first_key(self, position: int) -> int:
+        """The first key the query at ``position`` sees."""
+        return position // self.size * self.size if self.chunked else max(position - self.size + 1, 0)
+
+    def max_blocks_held(self, pass_tokens: int, block_size: int) -> int:
+        """The most blocks a request holds under this window, with those behind it released: the keys
+        before its next token's (size - 1 at most), one pass's tokens, and a block where they
+        straddle block edges (vLLM's bound)."""
+        return -(-(self.size - 1 + pass_tokens) // block_size) + 1
+
+
+def blocks_held_bound(num_tokens: int, windows: Sequence[AttentionWindow | None], pass_tokens: int,
+                      block_size: int) -> int:
+    """The blocks a request of ``num_tokens`` tokens can hold at once over KV cache groups whose
+    layers attend within ``windows`` (None: full attention, every block kept)."""
+    num_blocks = -(-num_tokens // block_size)
+    return sum(num_blocks if w is None else min(num_blocks, w.max_blocks_held(pass_tokens, block_size))
+               for w in windows)
 
 
 class KVCacheBlock:

@@ -30,6 +30,9 @@ class NewRequestData(msgspec.Struct, array_like=True):
     prompt_embeds: PromptEmbeds | None = None
     # A prompt's images: their placeholders' positions and encoder inputs.
     mm_features: list[MultiModalFeature] | None = None
+    # Under the hybrid KV cache manager: the request's blocks in each KV cache group after group 0's
+    # (``block_ids``), at the same positions (a windowed group's released ones read 0); else empty.
+    group_block_ids: list[list[int]] = msgspec.field(default_factory=list)
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):
@@ -45,6 +48,9 @@ class CachedRequestData(msgspec.Struct, array_like=True):
     num_computed_tokens: list[int] = msgspec.field(default_factory=list)
     # For resumed requests: how many of new_token_ids are outputs (penalties need them).
     num_output_tokens: list[int] = msgspec.field(default_factory=list)
+    # Under the hybrid KV cache manager, per request as new_block_ids: each further group's blocks
+    # (NewRequestData.group_block_ids); empty without it.
+    new_group_block_ids: list[list[list[int]] | None] = msgspec.field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from engine_core.config import CacheConfig, LoRAConfig, SchedulerConfig
 from engine_core.core.encoder_cache_manager import EncoderCacheManager
 from engine_core.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from engine_core.core.kv_cache_utils import blocks_held_bound
 from engine_core.outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -176,7 +177,8 @@ class Scheduler(SchedulerInterface):
             sliding_window=cache_config.sliding_window, long_rope_after=cache_config.long_rope_after,
             kv_cache_metrics_sample=cache_config.kv_cache_metrics_sample, max_model_len=self.max_model_len,
             num_offload_blocks=cache_config.num_offload_blocks,
-            num_recurrent_state_slots=cache_config.num_recurrent_state_slots)
+            num_recurrent_state_slots=cache_config.num_recurrent_state_slots,
+            kv_cache_groups=cache_config.kv_cache_groups)
         # Recurrent layers' states kept at the block boundaries worth keeping that the passes cross
         # (--mamba-cache-mode align; chunks are not cut for it: the workers copy a state out where a
         # chunk's scan passes it).
@@ -436,7 +438,7 @@ class Scheduler(SchedulerInterface):
                 if new_blocks is None:
                     continue
             if new_blocks:
-                req_to_new_blocks[req_id] = KVCacheBlocks(req_to_new_blocks[req_id].blocks + new_blocks.blocks)
+                req_to_new_blocks[req_id] = req_to_new_blocks[req_id] + new_blocks
             num_scheduled_tokens[req_id] = num_new_tokens + num_draft
             scheduled_spec_decode_tokens[req_id] = draft[:num_draft]
             token_budget -= num_draft
@@ -658,11 +660,15 @@ class Scheduler(SchedulerInterface):
             return True
         num_tokens = request.num_tokens
         window = self.cache_config.sliding_window
+        pass_tokens = self.max_num_scheduled_tokens + self.num_lookahead_tokens
+        if self.cache_config.kv_cache_groups:
+            # (The hybrid KV cache manager: every group's blocks, a windowed one's bounded by its window.)
+            return blocks_held_bound(num_tokens, self.cache_config.kv_cache_groups, pass_tokens,
+                                     self.block_size) > self.cache_config.num_blocks
         if window is not None:
             # Blocks behind the window are released: at most the window's keys and one pass's tokens
             # are held, plus a block where they straddle block edges.
-            num_tokens = min(num_tokens, window - 1 + self.max_num_scheduled_tokens + self.num_lookahead_tokens
-                             + self.block_size)
+            num_tokens = min(num_tokens, window - 1 + pass_tokens + self.block_size)
         return -(-num_tokens // self.block_size) > self.cache_config.num_blocks
 
     def _preempt_request(self, request: Request, timestamp: float) -> None:
@@ -777,6 +783,7 @@ class Scheduler(SchedulerInterface):
             prompt_token_ids=request.prompt_token_ids,
             sampling_params=request.sampling_params,
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+            group_block_ids=self.kv_cache_manager.get_group_block_ids(request.request_id),
             num_computed_tokens=request.num_computed_tokens,
             eos_token_id=request.eos_token_id,
             lora_request=request.lora_request,
@@ -797,14 +804,21 @@ class Scheduler(SchedulerInterface):
             for blocks in map(req_to_new_blocks.__getitem__, req_ids)]
         num_outputs = [len(r.output_token_ids) for r in running_reqs]
         resumed = [False] * len(req_ids)
+        # (The hybrid KV cache manager's further groups: their blocks at the same positions.)
+        new_group_block_ids: list[list[list[int]] | None] = [
+            blocks.get_group_block_ids() if blocks.blocks else None
+            for blocks in map(req_to_new_blocks.__getitem__, req_ids)] if self.kv_cache_manager.groups else []
         for request in resumed_reqs:
             req_ids.append(request.request_id)
             resumed.append(True)
             new_token_ids.append(list(request.all_token_ids))
             new_block_ids.append(self.kv_cache_manager.get_block_ids(request.request_id))
+            if self.kv_cache_manager.groups:
+                new_group_block_ids.append(self.kv_cache_manager.get_group_block_ids(request.request_id))
             num_computed.append(request.num_computed_tokens)
             num_outputs.append(len(request.output_token_ids))
-        return CachedRequestData(req_ids, resumed, new_token_ids, new_block_ids, num_computed, num_outputs)
+        return CachedRequestData(req_ids, resumed, new_token_ids, new_block_ids, num_computed, num_outputs,
+                                 new_group_block_ids)
 
     def _update_after_schedule(self, scheduler_output: SchedulerOutput, *scheduled: list[Request]) -> None:
         # num_computed_tokens advances now, for the tokens just scheduled: a second schedule()

@@ -135,15 +135,19 @@ class PagedAttention(nn.Module):
         # wider than 256 and SDPA's fallback would hold every query head's scores over the whole
         # chunk at once (on the CPU, SDPA's own kernel tiles them).
         self.tiled_prefill_on = tiled_prefill_on
-        # Bound by the model runner once the cache is allocated.
+        # Bound by the model runner once the cache is allocated; under the hybrid KV cache manager, with
+        # the KV cache group whose blocks this layer's cache holds (gpu_worker/kv_cache_groups.py).
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.kv_group = 0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim]. Returns [T, num_heads * head_dim]."""
         if self.kv_cache is None:
             raise RuntimeError("KV cache is not bound: call initialize_cache() first")
         k_cache, v_cache = self.kv_cache
-        if meta.window != self.sliding_window:
+        if meta.groups is not None:  # (the hybrid KV cache manager: this layer's group's blocks)
+            meta = meta.groups[self.kv_group]
+        elif meta.window != self.sliding_window:
             meta = meta.for_window(self.sliding_window)
         num_kv_heads, head_dim = self.num_kv_heads, self.head_dim
         store_kv(k_cache, meta.slot_mapping, k)

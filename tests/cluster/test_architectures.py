@@ -49,13 +49,25 @@ def _model(tmp_path, kind: str):
     return path
 
 
+def _num_windowed_groups(path) -> int:
+    """The windowed KV cache groups of the hybrid KV cache manager for this model (0: one group)."""
+    from engine_core.config import EngineConfig
+    from gpu_worker.config import ModelConfig
+    from gpu_worker.kv_cache_groups import hybrid_kv_cache_grouping
+
+    grouping, _ = hybrid_kv_cache_grouping(ModelConfig.from_pretrained(path), EngineConfig(model=str(path)))
+    return 0 if grouping is None else sum(w is not None for w in grouping.windows)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_greedy_tokens_equal_transformers_through_chunks_preemption_and_the_prefix_cache(tmp_path, kind):
     path = _model(tmp_path, kind)
     # 40 blocks of 4 tokens hold about four of the eight requests: the others wait or are preempted
-    # (Mistral's and StarCoder2's requests keep only their window's blocks: 12 blocks).
+    # (Mistral's and StarCoder2's requests keep only their window's blocks: 12 blocks; under the hybrid
+    # KV cache manager each windowed group holds up to 7 blocks of a request beside the full layers').
+    num_blocks = 12 if kind in ("mistral", "starcoder2") else 40 + 7 * _num_windowed_groups(path)
     outputs, stats = run(path, PROMPTS + PROMPTS[:2], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
-                         dtype="float32", block_size=4, num_gpu_blocks=12 if kind in ("mistral", "starcoder2") else 40,
+                         dtype="float32", block_size=4, num_gpu_blocks=num_blocks,
                          max_num_batched_tokens=16, max_num_seqs=8, max_model_len=128)
     hf = load_hf(path)
     with torch.no_grad():

@@ -294,6 +294,22 @@ def test_a_max_model_len_past_the_models_context_is_refused_unless_vllms_switch_
     engine.shutdown()
 
 
+def _greedy_holding(engine, prompt: list[int], max_tokens: int, blocks_held) -> tuple[list[int], int]:
+    """Run one greedy request to its end in ``engine``: its tokens, and the most ``blocks_held(request id)``
+    was after a step."""
+    engine.add_request(EngineCoreRequest(request_id="long", prompt_token_ids=prompt, client_index=0,
+                                         sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                                                        temperature=0.0)))
+    tokens: list[int] = []
+    held = 0
+    while engine.scheduler.has_unfinished_requests():
+        for eco in engine.step().values():
+            for out in eco.outputs:
+                tokens += out.new_token_ids
+        held = max(held, blocks_held("long"))
+    return tokens, held
+
+
 def test_a_model_windowed_in_every_layer_serves_past_what_its_cache_holds(tmp_path):
     """Mistral-style sliding window (8 keys): the KV cache releases the blocks behind each request's
     window, so 8 blocks of 16 serve a 512-token context, and a 300-token prompt runs to its end with
@@ -311,16 +327,7 @@ def test_a_model_windowed_in_every_layer_serves_past_what_its_cache_holds(tmp_pa
     try:
         assert engine.model_info.sliding_window == 8 and engine.scheduler_config.max_model_len == 512
         prompt = [(11 * i + 5) % 256 for i in range(300)]
-        engine.add_request(EngineCoreRequest(request_id="long", prompt_token_ids=prompt, client_index=0,
-                                             sampling_params=SamplingParams(max_tokens=6, ignore_eos=True,
-                                                                            temperature=0.0)))
-        tokens: list[int] = []
-        held = 0
-        while engine.scheduler.has_unfinished_requests():
-            for eco in engine.step().values():
-                for out in eco.outputs:
-                    tokens += out.new_token_ids
-            held = max(held, engine.scheduler.kv_cache_manager.get_num_held_blocks("long"))
+        tokens, held = _greedy_holding(engine, prompt, 6, engine.scheduler.kv_cache_manager.get_num_held_blocks)
         with torch.no_grad():
             assert tokens == hf_greedy(load_hf(model), prompt, 6)
         assert held <= 4  # (7 keys behind + 32 new) / 16, plus a block at each end
@@ -665,3 +672,42 @@ def test_sleep_ends_what_runs_holds_what_comes_and_wake_up_resumes(tmp_path_fact
         assert service.resume_generation() is True
     finally:
         service.shutdown()
+
+
+def test_a_model_mixing_full_and_windowed_layers_keeps_a_windows_worth_of_their_blocks(tmp_path):
+    """Gemma 3's pattern (five windowed layers of 8 keys to one full layer): under the hybrid KV cache
+    manager a block is a page of one shared layer-sized tensor, so the same memory holds six times the
+    blocks; a 300-token prompt holds its full layer's blocks and at most four of each windowed
+    group's, and gives transformers' tokens. --disable-hybrid-kv-cache-manager keeps one group."""
+    import torch
+
+    from engine_core.core.kv_cache_utils import AttentionWindow
+    from engine_core.engine_core import EngineCore
+    from tests.gpu_worker.utils import hf_greedy, load_hf, save_tiny_model
+
+    model = save_tiny_model(tmp_path, "gemma3", num_hidden_layers=6, sliding_window_pattern=6,
+                            max_position_embeddings=512)
+    build_tokenizer().save_pretrained(model)
+    spec = EngineSpec(kv_cache_memory_bytes=1 << 21, max_num_batched_tokens=32, max_num_seqs=2, max_model_len=512)
+    [config] = ClusterConfig(model=str(model), defaults=spec).engine_configs()
+    engine = EngineCore(config, create_executor(config))
+    try:
+        assert engine.model_info.kv_cache_groups == (None, *[AttentionWindow(8)] * 5)
+        hybrid_blocks = engine.num_blocks
+        prompt = [(11 * i + 5) % 256 for i in range(300)]
+        manager = engine.scheduler.kv_cache_manager
+        # (The blocks the windowed groups hold: the full group holds one a position.)
+        tokens, held = _greedy_holding(engine, prompt, 6,
+                                       lambda rid: manager.get_num_held_blocks(rid) - manager.get_num_blocks(rid))
+        with torch.no_grad():
+            assert tokens == hf_greedy(load_hf(model), prompt, 6)
+        assert 0 < held <= 5 * 4  # each windowed group: (7 keys behind + 32 new) / 16, plus a block at each end
+    finally:
+        engine.shutdown()
+    plain = spec.model_copy(update={"disable_hybrid_kv_cache_manager": True})
+    [config] = ClusterConfig(model=str(model), defaults=plain).engine_configs()
+    engine = EngineCore(config, create_executor(config))
+    try:
+        assert engine.model_info.kv_cache_groups == () and engine.num_blocks == hybrid_blocks // 6
+    finally:
+        engine.shutdown()

@@ -322,3 +322,98 @@ def test_a_prefix_hit_does_not_take_blocks_already_behind_the_window():
     mgr.free(b)
     assert mgr.block_pool.get_num_free_blocks() == 8
     mgr.block_pool.check_integrity()
+
+
+def _hybrid(num_blocks: int, window: int = 6, chunked: bool = False, **kwargs) -> KVCacheManager:
+    """The hybrid KV cache manager over a full-attention group and a windowed one, blocks of 4."""
+    from engine_core.core.kv_cache_utils import AttentionWindow
+
+    return KVCacheManager(num_blocks=num_blocks, block_size=4,
+                          kv_cache_groups=(None, AttentionWindow(window, chunked=chunked)), **kwargs)
+
+
+def test_hybrid_groups_hold_blocks_at_the_same_positions_and_release_the_windowed_ones():
+    """Window 6: once 16 tokens are computed, the windowed group's blocks 0 and 1 (keys 0..7) go back to
+    the pool, cached; the full group keeps all of its blocks. Every allocation costs a block a group."""
+    from engine_core.core.kv_cache_manager import RELEASED_BLOCK
+
+    mgr = _hybrid(12)
+    a = _req("a", list(range(30)))
+    new = mgr.allocate_slots(a, 8)
+    assert len(new.blocks) == 2 and [len(g) for g in new.group_blocks] == [2]
+    assert set(new.get_block_ids()).isdisjoint(new.get_group_block_ids()[0])
+    assert mgr.block_pool.get_num_free_blocks() == 8
+    a.num_computed_tokens = 8
+    mgr.allocate_slots(a, 8)
+    a.num_computed_tokens = 16
+    new = mgr.allocate_slots(a, 4)  # token 16 sees keys 11..16
+    windowed = mgr.groups[0]
+    assert windowed.req_to_blocks["a"][:2] == [RELEASED_BLOCK] * 2 and mgr.req_to_blocks["a"][0] is not RELEASED_BLOCK
+    assert mgr.get_num_blocks("a") == 5 and mgr.get_num_held_blocks("a") == 5 + 3
+    assert mgr.get_group_block_ids("a")[0][:2] == [0, 0]
+    assert len(new.blocks) == 1 and len(new.group_blocks[0]) == 1
+    mgr.block_pool.check_integrity()
+    mgr.free(a)
+    assert mgr.block_pool.get_num_free_blocks() == 12 and "a" not in windowed.num_released_block
+    mgr.block_pool.check_integrity()
+
+
+def test_hybrid_allocation_counts_every_groups_blocks_against_the_pool():
+    mgr = _hybrid(7)
+    a = _req("a", list(range(16)))
+    assert mgr.allocate_slots(a, 16) is None  # four blocks a group: eight, seven in the pool
+    assert mgr.block_pool.get_num_free_blocks() == 7 and "a" not in mgr.req_to_blocks
+    assert mgr.allocate_slots(a, 12) is not None and mgr.block_pool.get_num_free_blocks() == 1
+    mgr.block_pool.check_integrity()
+
+
+def test_a_hybrid_prefix_hit_needs_the_windowed_groups_blocks_of_its_window_only():
+    """Four cached blocks in both groups. A prompt of 16 + 1 tokens hits 16: the token at 16 sees keys
+    11..16, so the windowed group takes its blocks 2 and 3 and none before; once the windowed group's
+    block 3 is evicted, the hit falls back to where its window's blocks are all cached."""
+    from engine_core.core.kv_cache_manager import RELEASED_BLOCK
+
+    mgr = _hybrid(16)
+    a = _req("a", list(range(17)))
+    mgr.allocate_slots(a, 17)
+    mgr.free(a)
+    b = _req("b", list(range(16)) + [99])
+    hits, num_hit = mgr.get_computed_blocks(b)
+    assert num_hit == 16 and len(hits.blocks) == 4
+    assert hits.group_blocks[0][:2] == [RELEASED_BLOCK] * 2
+    assert mgr.allocate_slots(b, 1, num_hit, hits) is not None
+    assert [blk.ref_cnt for blk in hits.group_blocks[0][2:]] == [1, 1] and mgr.groups[0].num_released_block["b"] == 2
+    mgr.block_pool.check_integrity()
+    mgr.free(b)
+    windowed_block_3 = mgr.groups[0].key(b.block_hashes[3])
+    mgr.block_pool._evict(mgr.block_pool.get_cached_block(windowed_block_3))  # as if reused elsewhere
+    c = _req("c", list(range(16)) + [98])
+    hits, num_hit = mgr.get_computed_blocks(c)
+    # (Block 3 is needed by any hit past 12 tokens; at 12, the token there sees keys 7..12: blocks 1, 2.)
+    assert num_hit == 12 and hits.group_blocks[0][0] is RELEASED_BLOCK and len(hits.group_blocks[0]) == 3
+
+
+def test_a_chunked_group_releases_the_blocks_before_the_current_chunk():
+    """Llama 4's chunked layers (chunks of 8 keys): at 17 tokens computed, the token at 17 sees keys 16..17,
+    so the chunked group's blocks 0..3 (keys 0..15) are released."""
+    mgr = _hybrid(16, window=8, chunked=True)
+    a = _req("a", list(range(24)))
+    mgr.allocate_slots(a, 17)
+    a.num_computed_tokens = 17
+    mgr.allocate_slots(a, 1)
+    assert mgr.groups[0].num_released_block["a"] == 4 and mgr.get_num_held_blocks("a") == 5 + 1
+    mgr.block_pool.check_integrity()
+
+
+def test_kv_events_follow_the_full_attention_group_alone():
+    """The prefix-aware router follows the cached hashes: a windowed group's (group, hash) keys never reach it."""
+    mgr = _hybrid(16)
+    mgr.block_pool.record_kv_events()
+    a = _req("a", list(range(12)))
+    mgr.allocate_slots(a, 12)
+    events = mgr.block_pool.take_kv_events()
+    assert events == [(BLOCKS_STORED, a.block_hashes[:3])]
+    assert len(mgr.block_pool.cached_block_hash_to_block) == 6
+    mgr.free(a)
+    mgr.block_pool.get_new_blocks(16)  # every cached block evicted: removals of the three hashes alone
+    assert [h for _, hashes in mgr.block_pool.take_kv_events() for h in hashes] == list(reversed(a.block_hashes[:3]))

@@ -249,6 +249,53 @@ def test_sliding_window_greedy_matches_hf(tmp_path, kind, overrides, decode_in_p
         assert got[rid] == hf_greedy(hf, p, 12), rid
 
 
+@pytest.mark.parametrize("decode_in_place", [True, False], ids=["kernel", "gather"])
+@pytest.mark.parametrize(("kind", "overrides"), [
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}),
+    ("gemma2", {"sliding_window": 5}),
+    ("gpt_oss", {"sliding_window": 5}),
+    ("llama4", {"attention_chunk_size": 6}),
+], ids=["qwen2_upper_layer", "gemma2_alternating", "gpt_oss_sinks", "llama4_chunked_attention"])
+def test_hybrid_kv_cache_groups_greedy_matches_hf(tmp_path, kind, overrides, decode_in_place):
+    """The hybrid KV cache manager: the full-attention and windowed layers keep their caches in KV cache
+    groups over shared tensors (a block id a page of each), each group its own blocks of a request,
+    the windowed group's released behind the window. The same run as above (chunked prefill past the
+    window, decodes beside prefills, preemptions, prefix hits) gives transformers' tokens, and a
+    request's windowed blocks stay within the window's bound while its full ones grow with it."""
+    path = save_tiny_model(tmp_path, kind, **overrides)
+    hf = load_hf(path)
+    runner = runner_for(path, decode_in_place, num_blocks=24, block_size=4, hybrid_kv_cache=True)
+    grouping = runner.kv_cache_grouping
+    assert grouping is not None and grouping.windows[0] is None and grouping.windows[-1] is not None
+    # (Layers of different groups share a tensor: the cache is group_size tensors, not one a layer.)
+    assert len({layer.kv_cache[0].data_ptr() for layer in runner.model.attention_layers()}) == grouping.group_size
+    sched = make_scheduler(num_blocks=24, block_size=4, max_num_batched_tokens=13, long_prefill_token_threshold=5,
+                           kv_cache_groups=grouping.engine_windows)
+    ps = prompts(11, 4, lo=10, hi=30, prefix=[9, 8, 7, 6, 5, 4, 3, 2])
+    for rid, p in ps.items():
+        sched.add_request(greedy_request(rid, p, 12))
+    seen = {"preempted": 0, "hits": 0, "windowed": 0, "positions": 0}
+    kv = sched.kv_cache_manager
+    windowed = kv.groups[-1]
+
+    def on_step(step, so):
+        seen["preempted"] += len(so.preempted_req_ids)
+        seen["hits"] += sum(1 for r in so.scheduled_new_reqs if r.num_computed_tokens)
+        for r in sched.running:
+            held = len(windowed.req_to_blocks[r.request_id]) - windowed.num_released_block.get(r.request_id, 0)
+            seen["windowed"] = max(seen["windowed"], held)
+            seen["positions"] = max(seen["positions"], kv.get_num_blocks(r.request_id))
+        kv.block_pool.check_integrity()
+
+    got = run_to_completion(sched, runner.execute_model, on_step=on_step)
+    assert seen["preempted"] and seen["hits"]
+    # A window of 5 (or a chunk of 6) keys and a pass's 5 tokens span at most 4 blocks of 4.
+    assert seen["windowed"] <= 4 < seen["positions"]
+    for rid, p in ps.items():
+        assert got[rid] == hf_greedy(hf, p, 12), rid
+    assert kv.block_pool.get_num_free_blocks() == 24
+
+
 def test_the_rotary_tables_hold_the_positions_served(tmp_path):
     """A max_model_len below the model's context: the rotary tables are cut to it, the logits the same."""
     from gpu_worker.model_runner import ModelRunner

@@ -998,12 +998,12 @@ def prefill_logits(runner: ModelRunner, token_ids: list[int], block_ids: list[in
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_batched_tokens: int = 64,
                    max_num_seqs: int = 16, max_model_len: int = 256, prefix_caching: bool = True,
                    long_prefill_token_threshold: int = 0, num_spec_tokens: int = 0,
-                   sliding_window: int | None = None) -> Scheduler:
+                   sliding_window: int | None = None, kv_cache_groups: tuple = ()) -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                      max_model_len=max_model_len,
                                      long_prefill_token_threshold=long_prefill_token_threshold),
                      CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching,
-                                 sliding_window=sliding_window),
+                                 sliding_window=sliding_window, kv_cache_groups=kv_cache_groups),
                      log_stats=False, num_spec_tokens=num_spec_tokens)
 
 

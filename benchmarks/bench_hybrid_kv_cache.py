@@ -1,0 +1,110 @@
+"""The hybrid KV cache manager under a fixed KV memory budget, in one run: what releasing the windowed
+layers' blocks buys a model that mixes them with full-attention layers.
+
+A random Gemma 3 of SmolLM2's width and vocabulary (12 layers, five windowed of 128 keys to one full,
+as Gemma 3's pattern), with SmolLM2's tokenizer; long prompts (a shared document and a question)
+and the same greedy requests each way (in-process engines, LLM.generate), with the same
+--kv-cache-memory-bytes, sized so that the cache without the hybrid manager holds few of them at once:
+  hybrid     the default: KV cache groups, a windowed group's blocks behind the window released
+  one-group  --disable-hybrid-kv-cache-manager: every layer keeps every block of a request
+For each: the blocks the budget buys, the median output tokens/s over the rounds (which alternate
+between the engines) and its ratio to one-group's, the preemptions of one round, the most requests
+running at once, and how many answers equal one-group's (a random model's near ties may flip with
+the batch's shapes).
+Usage: python benchmarks/bench_hybrid_kv_cache.py [--num-prompts 16] [--prompt-len 768] [--max-tokens 32]
+       [--kv-cache-memory-mib 12] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.llm_modes import LLMMode, run_alternating
+from cluster import LLM, SamplingParams
+
+GEMMA3_SHAPES = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3,
+                 "head_dim": 64, "query_pre_attn_scalar": 64, "num_hidden_layers": 12, "vocab_size": 49152,
+                 "sliding_window": 128, "sliding_window_pattern": 6, "max_position_embeddings": 2048}
+
+
+def gemma3_model(out: Path, smollm2: Path) -> Path:
+    """A random Gemma 3 (GEMMA3_SHAPES) with SmolLM2's tokenizer."""
+    from tests.gpu_worker.utils import save_tiny_model
+
+    save_tiny_model(out, "gemma3", **GEMMA3_SHAPES)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2 / name, out / name)
+    return out
+
+
+class GroupsMode(LLMMode):
+    """One way of keeping the KV cache; also counts one round's preemptions and its most running requests."""
+
+    def __init__(self, name: str, model: str, budget: int, max_num_seqs: int, disable: bool) -> None:
+        super().__init__(name, LLM(model=model, kv_cache_memory_bytes=budget, max_num_seqs=max_num_seqs,
+                                   max_model_len=1024, disable_hybrid_kv_cache_manager=disable))
+        engine = self.llm._engine
+        self.num_blocks = engine.scheduler.cache_config.num_blocks
+        self.num_groups = max(1, len(engine.scheduler.cache_config.kv_cache_groups))
+        self.preemptions = self.most_running = 0
+        step = engine.step
+
+        def counted_step():  # (the most requests one pass runs)
+            out = step()
+            self.most_running = max(self.most_running, len(engine.scheduler.running))
+            return out
+
+        engine.step = counted_step
+
+    def run(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        before = self.llm.get_stats()[0].num_preemptions
+        self.most_running = 0
+        super().run(prompts, params)
+        self.preemptions = self.llm.get_stats()[0].num_preemptions - before
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=768)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--kv-cache-memory-mib", type=float, default=12.0)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    from gpu_worker.model_resolver import resolve_model
+
+    smollm2 = Path(resolve_model("SmolLM2-135M-Instruct").model_dir)
+    rng = random.Random(0)
+    shared = [rng.randrange(1000, 40000) for _ in range(args.prompt_len // 2)]
+    prompts = [shared + [rng.randrange(1000, 40000) for _ in range(args.prompt_len - len(shared))]
+               for _ in range(args.num_prompts)]
+    budget = int(args.kv_cache_memory_mib * 2**20)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = str(gemma3_model(Path(tmp) / "gemma3", smollm2))
+        modes = [GroupsMode("one-group", model, budget, args.max_num_seqs, disable=True),
+                 GroupsMode("hybrid", model, budget, args.max_num_seqs, disable=False)]
+        run_alternating(modes, prompts[:2], prompts,
+                        SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True), args.rounds)
+    one = modes[0]
+    print(f"{args.num_prompts} prompts of {args.prompt_len} tokens (the first half shared) x {args.max_tokens} greedy "
+          f"tokens, max_num_seqs={args.max_num_seqs}, random Gemma 3 (12 layers: 10 windowed of 128 keys, 2 full), "
+          f"KV budget {args.kv_cache_memory_mib:g} MiB each; median of {args.rounds} rounds")
+    print(f"{'KV cache':10} {'groups':>6} {'blocks':>7} {'tok/s':>8} {'vs one-group':>13} {'preemptions':>12} "
+          f"{'most running':>13}  answers equal to one-group's")
+    for mode in modes:
+        same = sum(a == b for a, b in zip(mode.answers, one.answers, strict=True))
+        print(f"{mode.name:10} {mode.num_groups:6d} {mode.num_blocks:7d} {mode.rate:8.1f} "
+              f"{mode.rate / one.rate:12.2f}x {mode.preemptions:12d} {mode.most_running:13d}  "
+              f"{same}/{len(mode.answers)}")
+
+
+if __name__ == "__main__":
+    main()
