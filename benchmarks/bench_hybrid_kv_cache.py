@@ -12,7 +12,7 @@ between the engines) and its ratio to one-group's, the preemptions of one round,
 running at once, and how many answers equal one-group's (a random model's near ties may flip with
 the batch's shapes).
 Usage: python benchmarks/bench_hybrid_kv_cache.py [--num-prompts 16] [--prompt-len 768] [--max-tokens 32]
-       [--kv-cache-memory-mib 12] [--rounds 3]
+       [--max-num-batched-tokens 256] [--kv-cache-memory-mib 16] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -47,9 +47,11 @@ def gemma3_model(out: Path, smollm2: Path) -> Path:
 class GroupsMode(LLMMode):
     """One way of keeping the KV cache; also counts one round's preemptions and its most running requests."""
 
-    def __init__(self, name: str, model: str, budget: int, max_num_seqs: int, disable: bool) -> None:
-        super().__init__(name, LLM(model=model, kv_cache_memory_bytes=budget, max_num_seqs=max_num_seqs,
-                                   max_model_len=1024, disable_hybrid_kv_cache_manager=disable))
+    def __init__(self, name: str, model: str, budget: int, args: argparse.Namespace, disable: bool) -> None:
+        super().__init__(name, LLM(model=model, kv_cache_memory_bytes=budget, max_num_seqs=args.max_num_seqs,
+                                   max_num_batched_tokens=args.max_num_batched_tokens,
+                                   max_model_len=args.prompt_len + args.max_tokens,
+                                   disable_hybrid_kv_cache_manager=disable))
         engine = self.llm._engine
         self.num_blocks = engine.scheduler.cache_config.num_blocks
         self.num_groups = max(1, len(engine.scheduler.cache_config.kv_cache_groups))
@@ -76,7 +78,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=768)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-num-seqs", type=int, default=16)
-    parser.add_argument("--kv-cache-memory-mib", type=float, default=12.0)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=256)
+    parser.add_argument("--kv-cache-memory-mib", type=float, default=16.0)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     from gpu_worker.model_resolver import resolve_model
@@ -89,14 +92,15 @@ def main() -> None:
     budget = int(args.kv_cache_memory_mib * 2**20)
     with tempfile.TemporaryDirectory() as tmp:
         model = str(gemma3_model(Path(tmp) / "gemma3", smollm2))
-        modes = [GroupsMode("one-group", model, budget, args.max_num_seqs, disable=True),
-                 GroupsMode("hybrid", model, budget, args.max_num_seqs, disable=False)]
+        modes = [GroupsMode("one-group", model, budget, args, disable=True),
+                 GroupsMode("hybrid", model, budget, args, disable=False)]
         run_alternating(modes, prompts[:2], prompts,
                         SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True), args.rounds)
     one = modes[0]
     print(f"{args.num_prompts} prompts of {args.prompt_len} tokens (the first half shared) x {args.max_tokens} greedy "
-          f"tokens, max_num_seqs={args.max_num_seqs}, random Gemma 3 (12 layers: 10 windowed of 128 keys, 2 full), "
-          f"KV budget {args.kv_cache_memory_mib:g} MiB each; median of {args.rounds} rounds")
+          f"tokens, max_num_seqs={args.max_num_seqs}, max_num_batched_tokens={args.max_num_batched_tokens}, random "
+          f"Gemma 3 (12 layers: 10 windowed of 128 keys, 2 full), KV budget {args.kv_cache_memory_mib:g} MiB each; "
+          f"median of {args.rounds} rounds")
     print(f"{'KV cache':10} {'groups':>6} {'blocks':>7} {'tok/s':>8} {'vs one-group':>13} {'preemptions':>12} "
           f"{'most running':>13}  answers equal to one-group's")
     for mode in modes:

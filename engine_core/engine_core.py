@@ -505,7 +505,9 @@ class EngineCore:
         """The prefix cache's contents as events: cleared, then every cached hash stored (and every
         hash KV offloading's host tier holds)."""
         manager = self.scheduler.kv_cache_manager
-        events = [(ALL_BLOCKS_CLEARED, []), (BLOCKS_STORED, list(manager.block_pool.cached_block_hash_to_block))]
+        # (A windowed KV cache group's (group, hash) keys are not the router's: it follows group 0's hashes.)
+        events = [(ALL_BLOCKS_CLEARED, []), (BLOCKS_STORED, [h for h in manager.block_pool.cached_block_hash_to_block
+                                                             if isinstance(h, bytes)])]
         if manager.offload is not None:
             events.append((TIER_STORED, manager.offload.hashes()))
         return events

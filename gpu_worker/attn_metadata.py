@@ -106,7 +106,8 @@ def build_attention_metadata(block_table: np.ndarray, num_blocks_per_req: np.nda
                              slot_mapping: np.ndarray | torch.Tensor, block_size: int,
                              device: torch.device, decode_in_place: bool = False,
                              window: Window | None = None,
-                             bidirectional: dict[int, list[tuple[int, int]]] | None = None) -> AttentionMetadata:
+                             bidirectional: dict[int, list[tuple[int, int]]] | None = None,
+                             like: AttentionMetadata | None = None) -> AttentionMetadata:
     """Arguments are per request (decodes first) except ``query_start_loc`` ([num_reqs + 1]) and
     ``slot_mapping`` (per token). The first ``num_decodes`` requests attend as decodes, each of their
     query tokens a row of its own that sees its request's keys up to its position (one token each,
@@ -114,7 +115,9 @@ def build_attention_metadata(block_table: np.ndarray, num_blocks_per_req: np.nda
     where it lies (per-request lengths instead of a padding mask). ``window``: the sliding window
     or chunked attention (None: full causal attention). ``bidirectional``: by request index, position
     ranges [a, b) whose
-    tokens see each other both ways (Gemma 3's images; prefill chunks only)."""
+    tokens see each other both ways (Gemma 3's images; prefill chunks only). ``like``: this pass's metadata
+    for the same window over another block table (the hybrid KV cache manager's groups): its masks and
+    key counts, which depend on positions alone, are taken rather than built again."""
     query_lens = np.diff(query_start_loc)
     seq_lens = num_computed + query_lens
     if isinstance(slot_mapping, torch.Tensor):
@@ -142,14 +145,19 @@ def build_attention_metadata(block_table: np.ndarray, num_blocks_per_req: np.nda
             decode_max = int(dec_lens.max())
             max_blocks = -(-decode_max // block_size)
             decode_table = torch.from_numpy(np.ascontiguousarray(dec_table[:, :max_blocks])).to(device)
-            decode_lens = torch.from_numpy(np.ascontiguousarray(dec_lens, dtype=np.int64)).to(device)
-            if dec_lo is not None:
-                decode_starts = torch.from_numpy(np.ascontiguousarray(dec_lo, dtype=np.int64)).to(device)
+            if like is not None:
+                decode_lens, decode_starts = like.decode_seq_lens, like.decode_key_starts
+            else:
+                decode_lens = torch.from_numpy(np.ascontiguousarray(dec_lens, dtype=np.int64)).to(device)
+                if dec_lo is not None:
+                    decode_starts = torch.from_numpy(np.ascontiguousarray(dec_lo, dtype=np.int64)).to(device)
         elif dec_lo is None or not dec_lo.any():
             decode_max = int(dec_lens.max())
             max_blocks = -(-decode_max // block_size)
             decode_table = torch.from_numpy(np.ascontiguousarray(dec_table[:, :max_blocks])).to(device)
-            if int(dec_lens.min()) != decode_max:
+            if like is not None:
+                decode_mask = like.decode_mask
+            elif int(dec_lens.min()) != decode_max:
                 mask = np.arange(decode_max)[None, :] < dec_lens[:, None]
                 decode_mask = torch.from_numpy(mask).to(device).view(num_rows, 1, 1, decode_max)
         else:
@@ -160,9 +168,12 @@ def build_attention_metadata(block_table: np.ndarray, num_blocks_per_req: np.nda
             max_blocks = -(-decode_max // block_size)
             cols = np.minimum(first_block[:, None] + np.arange(max_blocks)[None, :], block_table.shape[1] - 1)
             decode_table = torch.from_numpy(dec_table[np.arange(num_rows)[:, None], cols]).to(device)
-            keys = np.arange(decode_max)[None, :] + offset[:, None]
-            mask = (keys >= dec_lo[:, None]) & (keys < dec_lens[:, None])
-            decode_mask = torch.from_numpy(mask).to(device).view(num_rows, 1, 1, decode_max)
+            if like is not None:
+                decode_mask = like.decode_mask
+            else:
+                keys = np.arange(decode_max)[None, :] + offset[:, None]
+                mask = (keys >= dec_lo[:, None]) & (keys < dec_lens[:, None])
+                decode_mask = torch.from_numpy(mask).to(device).view(num_rows, 1, 1, decode_max)
 
     prefills = []
     for i in range(num_decodes, len(query_lens)):
@@ -175,7 +186,9 @@ def build_attention_metadata(block_table: np.ndarray, num_blocks_per_req: np.nda
         offset = first_block * block_size
         mask = None
         blocks = (bidirectional or {}).get(i)
-        if start or (window is not None and int(first_key(window, np.array(start + qlen - 1)))) or blocks:
+        if like is not None:
+            mask = like.prefills[i - num_decodes].mask
+        elif start or (window is not None and int(first_key(window, np.array(start + qlen - 1)))) or blocks:
             # Query j of a chunk starting at position p sees keys up to p + j (and, under a window,
             # from its first key: p + j - window + 1, or its attention chunk's start).
             keys = np.arange(offset, seq_len)[None, :]

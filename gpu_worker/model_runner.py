@@ -456,7 +456,11 @@ class ModelRunner:
             padded = self.encoder_batches_padded
             meta = (EncoderMetadata.build(qsl, self.device, padded) if self.config.encoder_only else
                     self.attention_metadata(table, np.array(blocks_per_req), qsl, np.zeros(len(lens), np.int64),
-                                            0, slots, block_size, decode_in_place=False))
+                                            0, slots, block_size, decode_in_place=False,
+                                            # (each KV cache group's metadata, as a pass builds them; the
+                                            # throwaway caches are a layer's own, so one table serves all)
+                                            group_tables=[(table, slots)] * (len(self.kv_cache_grouping.windows) - 1)
+                                            if self.kv_cache_grouping is not None else None))
             if mixers:
                 meta.mamba = mamba_step_metadata(np.arange(len(lens)), qsl, self.device)
             input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
@@ -1254,11 +1258,15 @@ class ModelRunner:
                                         block_size, self.device, decode_in_place,
                                         window=None if None in windows else window, bidirectional=bidirectional)
         if group_tables and grouping is not None:
-            meta.groups = [meta, *(build_attention_metadata(table, num_blocks, query_start_loc, starts, num_decodes,
-                                                            slots, block_size, self.device, decode_in_place,
-                                                            window=group_window, bidirectional=bidirectional)
-                                   for (table, slots), group_window in zip(group_tables, grouping.windows[1:],
-                                                                           strict=True))]
+            # (Groups of one window share its masks: a group's own are only its blocks and slots.)
+            by_window: dict[Window | None, AttentionMetadata] = {None: meta}
+            meta.groups = [meta]
+            for (table, slots), group_window in zip(group_tables, grouping.windows[1:], strict=True):
+                group_meta = build_attention_metadata(table, num_blocks, query_start_loc, starts, num_decodes, slots,
+                                                      block_size, self.device, decode_in_place, window=group_window,
+                                                      bidirectional=bidirectional, like=by_window.get(group_window))
+                by_window.setdefault(group_window, group_meta)
+                meta.groups.append(group_meta)
         elif None in windows and window in windows:
             meta.windowed = build_attention_metadata(block_table, num_blocks, query_start_loc, starts, num_decodes,
                                                      meta.slot_mapping, block_size, self.device, decode_in_place,

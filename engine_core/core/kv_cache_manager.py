@@ -356,20 +356,22 @@ class KVCacheManager:
                     computed = computed[num_behind:]
                 pool.touch(computed)
                 req_blocks.extend(computed)
+            # (Every group's hits are taken before any new block: a free hit block must not be handed out.)
+            group_lists = [self._take_group_hits(request, group, hit)
+                           for group, hit in zip(self.groups, group_computed, strict=True)]
             new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
             req_blocks.extend(new_blocks)
-            group_new = tuple(self._extend_group(request, group, hit, num_new_blocks)
-                              for group, hit in zip(self.groups, group_computed, strict=True))
+            group_new = tuple(self._extend_group(blocks, num_new_blocks, len(req_blocks)) for blocks in group_lists)
         else:
             new_blocks, group_new = [], ()
         if self.enable_caching and req_blocks is not None and not delay_cache_blocks:
             self._cache_full_blocks(request, req_blocks, min(num_computed_tokens + num_new_tokens, request.num_tokens))
         return KVCacheBlocks(new_blocks, group_new) if new_blocks else self._empty
 
-    def _extend_group(self, request: Request, group: _WindowedGroup, computed: list[KVCacheBlock] | tuple[()],
-                      num_new_blocks: int) -> list[KVCacheBlock]:
-        """A windowed group's side of allocate_slots: its prefix-hit blocks (a new request's), then
-        ``num_new_blocks`` new ones, so its list keeps group 0's positions; returns the new ones."""
+    def _take_group_hits(self, request: Request, group: _WindowedGroup,
+                         computed: list[KVCacheBlock] | tuple[()]) -> list[KVCacheBlock]:
+        """A windowed group's prefix-hit blocks for a new request (RELEASED_BLOCK behind its window);
+        returns the group's list of the request's blocks."""
         req_id = request.request_id
         blocks = group.req_to_blocks.get(req_id)
         if blocks is None:
@@ -380,9 +382,14 @@ class KVCacheManager:
                 group.num_released_block[req_id] = num_released
             self.block_pool.touch(computed[num_released:])
             blocks.extend(computed)
+        return blocks
+
+    def _extend_group(self, blocks: list[KVCacheBlock], num_new_blocks: int, num_positions: int) -> list[KVCacheBlock]:
+        """``num_new_blocks`` new blocks at the end of a windowed group's list, which then has group 0's
+        ``num_positions``; returns the new ones."""
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
         blocks.extend(new_blocks)
-        assert len(blocks) == len(self.req_to_blocks[req_id]), "a KV cache group's blocks left group 0's positions"
+        assert len(blocks) == num_positions, "a KV cache group's blocks left group 0's positions"
         return new_blocks
 
     def _release_blocks_behind_window(self, request: Request, req_blocks: list[KVCacheBlock]) -> None:
@@ -396,14 +403,16 @@ class KVCacheManager:
         """_release_blocks_behind_window for a windowed group of the hybrid KV cache manager."""
         if group.window is not None:
             req_id = request.request_id
+            # (Earliest first: a windowed group's hit needs the blocks just before it, so the latest go last.)
             self._release_behind(req_id, group.req_to_blocks[req_id],
                                  group.window.first_key(request.num_computed_tokens) // self.block_size,
-                                 group.num_cached_block, group.num_released_block)
+                                 group.num_cached_block, group.num_released_block, latest_first=False)
 
     def _release_behind(self, req_id: str, blocks: list[KVCacheBlock], num_behind: int, num_cached: dict[str, int],
-                        num_released_block: dict[str, int]) -> None:
+                        num_released_block: dict[str, int], latest_first: bool = True) -> None:
         """Release ``blocks``' first ``num_behind``, RELEASED_BLOCK taking their places. Only blocks already
-        registered in the prefix cache go, so none is ever cached as a placeholder."""
+        registered in the prefix cache go, so none is ever cached as a placeholder. ``latest_first``: the
+        latest block joins the free queue first (is evicted first), else the earliest."""
         if self.enable_caching:
             num_behind = min(num_behind, num_cached[req_id])
         num_released = num_released_block.get(req_id, 0)
@@ -412,8 +421,9 @@ class KVCacheManager:
         released = blocks[num_released:num_behind]
         blocks[num_released:num_behind] = [RELEASED_BLOCK] * len(released)
         num_released_block[req_id] = num_behind
-        # Latest first, like free(): a prefix stays in the cache longer than what follows it.
-        self.block_pool.free_blocks(reversed(released))
+        # Latest first, like free(): a prefix stays in the cache longer than what follows it (a hit of one
+        # window-wide group needs every block from the first, as group 0's lookup does).
+        self.block_pool.free_blocks(reversed(released) if latest_first else released)
 
     def _cache_full_blocks(self, request: Request, req_blocks: list[KVCacheBlock], num_tokens: int) -> None:
         """Register the blocks that the first ``num_tokens`` tokens fill (once computed this pass)."""

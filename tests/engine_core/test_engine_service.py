@@ -7,6 +7,7 @@ import gc
 import time
 import weakref
 
+import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -702,6 +703,11 @@ def test_a_model_mixing_full_and_windowed_layers_keeps_a_windows_worth_of_their_
         with torch.no_grad():
             assert tokens == hf_greedy(load_hf(model), prompt, 6)
         assert 0 < held <= 5 * 4  # each windowed group: (7 keys behind + 32 new) / 16, plus a block at each end
+        # The prefix-aware router's snapshot of the cache holds group 0's hashes alone (the windowed groups'
+        # (group, hash) keys would not decode as its events).
+        snapshot = engine.kv_snapshot()
+        msgspec.msgpack.decode(msgspec.msgpack.encode(snapshot), type=list[tuple[int, list[bytes]]])
+        assert len(snapshot[1][1]) == (len(prompt) + 5) // 16  # (the full blocks of its 300 + 5 tokens computed)
     finally:
         engine.shutdown()
     plain = spec.model_copy(update={"disable_hybrid_kv_cache_manager": True})

@@ -417,3 +417,25 @@ def test_kv_events_follow_the_full_attention_group_alone():
     mgr.free(a)
     mgr.block_pool.get_new_blocks(16)  # every cached block evicted: removals of the three hashes alone
     assert [h for _, hashes in mgr.block_pool.take_kv_events() for h in hashes] == list(reversed(a.block_hashes[:3]))
+
+
+def test_a_hybrid_prefix_hit_takes_every_groups_hits_before_handing_out_new_blocks():
+    """Free cached hit blocks sit in the free queue until taken: were group 0's new blocks taken first,
+    one of them could be a windowed group's hit block, the same page then written as new keys by one
+    group and read as cached ones by the other."""
+    from engine_core.core.kv_cache_manager import RELEASED_BLOCK
+
+    mgr = _hybrid(16)
+    a, c = _req("a", list(range(17))), _req("c", list(range(100, 112)))
+    mgr.allocate_slots(a, 17)
+    mgr.allocate_slots(c, 12)
+    mgr.free(a)
+    mgr.free(c)
+    b = _req("b", list(range(16)) + list(range(200, 209)))
+    hits, num_hit = mgr.get_computed_blocks(b)
+    assert num_hit == 16
+    assert mgr.allocate_slots(b, 9, num_hit, hits) is not None
+    full, windowed = mgr.req_to_blocks["b"], mgr.groups[0].req_to_blocks["b"]
+    ids = [blk.block_id for blk in full + windowed if blk is not RELEASED_BLOCK]
+    assert len(ids) == len(set(ids)) and all(blk.ref_cnt == 1 for blk in full + windowed if blk is not RELEASED_BLOCK)
+    mgr.block_pool.check_integrity()

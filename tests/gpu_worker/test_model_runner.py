@@ -269,6 +269,8 @@ def test_hybrid_kv_cache_groups_greedy_matches_hf(tmp_path, kind, overrides, dec
     assert grouping is not None and grouping.windows[0] is None and grouping.windows[-1] is not None
     # (Layers of different groups share a tensor: the cache is group_size tensors, not one a layer.)
     assert len({layer.kv_cache[0].data_ptr() for layer in runner.model.attention_layers()}) == grouping.group_size
+    runner.profile_run(4)  # (the memory profile's pass builds each group's metadata too, on throwaway caches)
+    assert len({layer.kv_cache[0].data_ptr() for layer in runner.model.attention_layers()}) == grouping.group_size
     sched = make_scheduler(num_blocks=24, block_size=4, max_num_batched_tokens=13, long_prefill_token_threshold=5,
                            kv_cache_groups=grouping.engine_windows)
     ps = prompts(11, 4, lo=10, hi=30, prefix=[9, 8, 7, 6, 5, 4, 3, 2])
