@@ -9,8 +9,8 @@ and the same greedy requests each way (in-process engines, LLM.generate), with t
   one-group  --disable-hybrid-kv-cache-manager: every layer keeps every block of a request
 For each: the blocks the budget buys, the median output tokens/s over the rounds (which alternate
 between the engines) and its ratio to one-group's, the preemptions of one round, the most requests
-running at once, and how many answers equal one-group's (a random model's near ties may flip with
-the batch's shapes).
+running at once, the share of looked-up prompt tokens the prefix cache held (one round), and how many
+answers equal one-group's (a random model's near ties may flip with the batch's shapes).
 Usage: python benchmarks/bench_hybrid_kv_cache.py [--num-prompts 16] [--prompt-len 768] [--max-tokens 32]
        [--max-num-batched-tokens 256] [--kv-cache-memory-mib 16] [--rounds 3]
 """
@@ -56,6 +56,7 @@ class GroupsMode(LLMMode):
         self.num_blocks = engine.scheduler.cache_config.num_blocks
         self.num_groups = max(1, len(engine.scheduler.cache_config.kv_cache_groups))
         self.preemptions = self.most_running = 0
+        self.hit_rate = 0.0
         step = engine.step
 
         def counted_step():  # (the most requests one pass runs)
@@ -66,10 +67,14 @@ class GroupsMode(LLMMode):
         engine.step = counted_step
 
     def run(self, prompts: list[list[int]], params: SamplingParams) -> None:
-        before = self.llm.get_stats()[0].num_preemptions
+        before = self.llm.get_stats()[0]
         self.most_running = 0
         super().run(prompts, params)
-        self.preemptions = self.llm.get_stats()[0].num_preemptions - before
+        after = self.llm.get_stats()[0]
+        self.preemptions = after.num_preemptions - before.num_preemptions
+        # (The prompt tokens found in the prefix cache, of those looked up.)
+        queries = after.prefix_cache_queries - before.prefix_cache_queries
+        self.hit_rate = (after.prefix_cache_hits - before.prefix_cache_hits) / max(queries, 1)
 
 
 def main() -> None:
@@ -102,11 +107,11 @@ def main() -> None:
           f"Gemma 3 (12 layers: 10 windowed of 128 keys, 2 full), KV budget {args.kv_cache_memory_mib:g} MiB each; "
           f"median of {args.rounds} rounds")
     print(f"{'KV cache':10} {'groups':>6} {'blocks':>7} {'tok/s':>8} {'vs one-group':>13} {'preemptions':>12} "
-          f"{'most running':>13}  answers equal to one-group's")
+          f"{'most running':>13} {'prefix hits':>12}  answers equal to one-group's")
     for mode in modes:
         same = sum(a == b for a, b in zip(mode.answers, one.answers, strict=True))
         print(f"{mode.name:10} {mode.num_groups:6d} {mode.num_blocks:7d} {mode.rate:8.1f} "
-              f"{mode.rate / one.rate:12.2f}x {mode.preemptions:12d} {mode.most_running:13d}  "
+              f"{mode.rate / one.rate:12.2f}x {mode.preemptions:12d} {mode.most_running:13d} {mode.hit_rate:11.0%}  "
               f"{same}/{len(mode.answers)}")
 
 
