@@ -205,6 +205,13 @@ class CacheConfig:
     # its own blocks of a request, a windowed group's released behind the window. Empty: one group.
     kv_cache_groups: tuple[AttentionWindow | None, ...] = ()
 
+    @property
+    def group_windows(self) -> tuple[AttentionWindow | None, ...]:
+        """Each KV cache group's window: the hybrid manager's groups, or the one group's (its sliding window)."""
+        if self.kv_cache_groups:
+            return self.kv_cache_groups
+        return (None if self.sliding_window is None else AttentionWindow(self.sliding_window),)
+
     def __post_init__(self) -> None:
         _require(isinstance(self.block_size, int) and self.block_size >= 1, "block_size", ">= 1", self.block_size)
         _require(isinstance(self.num_offload_blocks, int) and self.num_offload_blocks >= 0, "num_offload_blocks",

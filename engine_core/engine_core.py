@@ -17,7 +17,7 @@ from typing import Any
 
 from engine_core.config import EngineConfig, SchedulerConfig
 from engine_core.core.block_pool import ALL_BLOCKS_CLEARED, BLOCKS_STORED, TIER_STORED
-from engine_core.core.kv_cache_utils import blocks_held_bound
+from engine_core.core.kv_cache_utils import AttentionWindow, blocks_held_bound
 from engine_core.executor import Executor, ModelInfo
 from engine_core.kv_transfer import KVConnector, PendingLoad, wants_remote_prefill
 from engine_core.logits_processor import LogitsProcessor, load_logits_processors, validate_request_params
@@ -107,13 +107,12 @@ class EngineCore:
                     f"engine {config.engine_index}: max_model_len ({needed}) needs {held} KV blocks over the model's "
                     f"{len(groups)} KV cache groups (full-attention and windowed layers), more than the cache holds "
                     f"({num_blocks} blocks of {config.block_size}): lower --max-model-len or give the cache more "
-                    "memory "
-                    "(--num-gpu-blocks, --kv-cache-memory-bytes, --gpu-memory-utilization)")
+                    "memory (--num-gpu-blocks, --kv-cache-memory-bytes, --gpu-memory-utilization)")
         window = self.model_info.sliding_window
         if window is not None:
             # Blocks behind the window are released: a request holds at most its window's keys
             # plus one pass's tokens, rounded out to blocks at both ends (vLLM's bound).
-            needed = min(needed, (-(-(window - 1 + sched_cfg.token_budget) // config.block_size) + 1)
+            needed = min(needed, AttentionWindow(window).max_blocks_held(sched_cfg.token_budget, config.block_size)
                          * config.block_size)
         if capacity < needed and window is not None and config.scheduler.max_model_len is None:
             # No --max-model-len, and a long pass's window does not fit: serve what the cache holds

@@ -60,14 +60,17 @@ def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads_per_
 
 def model_bytes_per_block(config: ModelConfig, block_size: int, tp_size: int, dtype: torch.dtype,
                           num_layers: int | None = None) -> int:
-    """``num_layers``: the layers one pipeline stage holds (default: all that attend; recurrent layers
-    keep no KV). A model whose layers' caches differ (ModelConfig.attention_layer_geometry) sums each's."""
-    if config.attention_layer_geometry:
+    """``num_layers``: the layers one pipeline stage holds, or the hybrid KV cache manager's shared tensors
+    (default: all that attend; recurrent layers keep no KV). A model whose layers' caches differ
+    (ModelConfig.attention_layer_geometry) sums each's."""
+    geometry = config.attention_layer_geometry
+    if len(set(geometry)) > 1:
         return sum(kv_cache_bytes_per_block(1, block_size, num_kv_heads_per_rank(heads, tp_size), head_dim, dtype)
-                   for heads, head_dim in config.attention_layer_geometry)
-    return kv_cache_bytes_per_block(config.num_attention_layers if num_layers is None else num_layers, block_size,
-                                    num_kv_heads_per_rank(config.num_key_value_heads, tp_size),
-                                    config.head_dim, dtype)
+                   for heads, head_dim in geometry)
+    heads, head_dim = geometry[0] if geometry else (config.num_key_value_heads, config.head_dim)
+    if num_layers is None:
+        num_layers = len(geometry) if geometry else config.num_attention_layers
+    return kv_cache_bytes_per_block(num_layers, block_size, num_kv_heads_per_rank(heads, tp_size), head_dim, dtype)
 
 
 def num_blocks_for_budget(budget_bytes: int, bytes_per_block: int) -> int:

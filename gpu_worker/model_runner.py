@@ -85,12 +85,11 @@ class ModelRunner:
                  max_logprobs: int = 20, logits_processors: LogitsProcessorBatch | None = None,
                  logprobs_mode: str = "raw_logprobs",
                  mamba_state_dtypes: tuple[torch.dtype, torch.dtype] | None = None,
-                 num_recurrent_state_slots: int = 0, hybrid_kv_cache: bool = False) -> None:
+                 num_recurrent_state_slots: int = 0, kv_cache_grouping: KVCacheGrouping | None = None) -> None:
         self.config = model_config
-        # The hybrid KV cache manager: the attention layers keep their caches in KV cache groups
-        # (gpu_worker/kv_cache_groups.py), laid out at load_model.
-        self.hybrid_kv_cache = hybrid_kv_cache
-        self.kv_cache_grouping: KVCacheGrouping | None = None
+        # The hybrid KV cache manager: the attention layers keep their caches in these KV cache groups
+        # (gpu_worker/kv_cache_groups.py; the loaded layers are checked against them).
+        self.kv_cache_grouping = kv_cache_grouping
         self.device = torch.device(device)
         self.dtype = dtype
         # The KV cache's storage dtype (None: the model's); fp8 halves (bf16) or quarters (fp32) it.
@@ -178,8 +177,8 @@ class ModelRunner:
         self.mamba_mixers = model.mamba_layers() if hasattr(model, "mamba_layers") else []
         # The sliding windows the layers attend with (None: full attention): one metadata each per step.
         self.attention_windows = frozenset(layer.sliding_window for layer in model.attention_layers())
-        if self.hybrid_kv_cache:
-            self.kv_cache_grouping = self._kv_cache_grouping(model.attention_layers())
+        if self.kv_cache_grouping is not None:
+            self._check_kv_cache_grouping(model.attention_layers())
         # LongRoPE: where the short factors' rotary rows start, and the length above which they stop.
         rotary = getattr(model.model, "rotary_emb", None)  # (an encoder's positions are embedded)
         if rotary is not None:
@@ -375,18 +374,15 @@ class ModelRunner:
         if self.drafter is not None:  # (on the same block ids, and the same host slots)
             self.drafter.initialize_kv_cache(num_blocks, block_size, num_offload_blocks)
 
-    def _kv_cache_grouping(self, layers: list[nn.Module]) -> KVCacheGrouping:
-        """The KV cache groups of ``layers``, which the engine's scheduler keeps blocks for: refused where
-        the layers are not what the model's config said (the engine planned its groups from it)."""
-        grouping = group_attention_layers([layer.sliding_window for layer in layers])
-        config_windows = [self.config.layer_sliding_window(i) for i in range(self.config.num_hidden_layers)]
-        if (grouping is None or grouping != group_attention_layers(config_windows)
+    def _check_kv_cache_grouping(self, layers: list[nn.Module]) -> None:
+        """Refuse layers that are not what the KV cache groups were planned from (the model's config: the
+        engine's scheduler keeps blocks for those groups)."""
+        if (group_attention_layers([layer.sliding_window for layer in layers]) != self.kv_cache_grouping
                 or not all(isinstance(layer, PagedAttention) for layer in layers)
                 or len({(layer.num_kv_heads, layer.head_dim) for layer in layers}) > 1):
             raise ValueError(f"{self.config.architecture}: the hybrid KV cache manager needs paged attention layers of "
                              "one shape mixing full attention and one window as the config lists them: serve it with "
                              "--disable-hybrid-kv-cache-manager")
-        return grouping
 
     def _allocate_kv_cache(self, num_blocks: int, block_size: int, num_offload_blocks: int | None = None) -> None:
         """This model's own cache and host tier (``initialize_kv_cache``; on waking up, as before)."""

@@ -181,15 +181,9 @@ class RequestStates:
             self.block_table.free(state.table_row)
         return state
 
-    def _hold_groups(self, row: int, group_block_ids: list[list[int]]) -> None:
-        """The hybrid KV cache manager's further groups' blocks of the request in ``row`` (none without it)."""
-        while len(self.group_tables) < len(group_block_ids):
-            self.group_tables.append(BlockTable())
-        for table, block_ids in zip(self.group_tables, group_block_ids, strict=False):
-            table.put(row, block_ids)
-
-    def _hold(self, state: RequestState, block_ids: list[int]) -> None:
-        """Hold ``state``, its blocks in a row of the table. One replacing a held request of the same
+    def _hold(self, state: RequestState, block_ids: list[int], group_block_ids: list[list[int]]) -> None:
+        """Hold ``state``, its blocks in a row of the table (and the hybrid KV cache manager's further
+        groups' blocks in that row of theirs). One replacing a held request of the same
         id (a streaming session's next turn) keeps its row: a Mamba-2 layer's state for the tokens
         computed so far lives in that row of its state tensors (gpu_worker.layers.mamba; the other
         recurrent layers' likewise)."""
@@ -203,6 +197,10 @@ class RequestStates:
             self.block_table.table[held.table_row] = 0
             self.block_table.write(held.table_row, 0, block_ids)
         self.states[state.req_id] = state
+        while len(self.group_tables) < len(group_block_ids):
+            self.group_tables.append(BlockTable())
+        for table, ids in zip(self.group_tables, group_block_ids, strict=False):
+            table.put(state.table_row, ids)
 
     def _note_rejected_drafts(self, state: RequestState, kept: int) -> None:
         """``state``'s last pass verified drafts, and the scheduler keeps ``kept`` of its tokens
@@ -245,8 +243,7 @@ class RequestStates:
             generator=self._make_generator(params), min_tokens_stop_ids=self._stop_ids(params, new.eos_token_id),
             lora_int_id=new.lora_request.lora_int_id if new.lora_request is not None else 0,
             prompt_embeds=None if new.prompt_embeds is None else self._host_rows(new.prompt_embeds.to_tensor()),
-            mm_features=new.mm_features), list(new.block_ids))
-        self._hold_groups(self.states[new.req_id].table_row, new.group_block_ids)
+            mm_features=new.mm_features), list(new.block_ids), new.group_block_ids)
 
     def _host_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Prompt embeddings kept off the device (they are not in its memory budget): in the model's
@@ -274,9 +271,8 @@ class RequestStates:
                     min_tokens_stop_ids=parked.min_tokens_stop_ids,
                     # Resumed after its prompt logprobs went out: recomputing the prompt sends nothing.
                     prompt_logprobs_sent=parked.prompt_logprobs_sent, lora_int_id=parked.lora_int_id,
-                    prompt_embeds=parked.prompt_embeds, mm_features=parked.mm_features), block_ids)
-                if cached.new_group_block_ids:
-                    self._hold_groups(self.states[req_id].table_row, cached.new_group_block_ids[i] or [])
+                    prompt_embeds=parked.prompt_embeds, mm_features=parked.mm_features), block_ids,
+                    (cached.new_group_block_ids[i] or []) if cached.new_group_block_ids else [])
                 continue
             state = self.states.get(req_id)
             if state is None:

@@ -28,13 +28,7 @@ from gpu_worker.config import (
     with_overrides,
 )
 from gpu_worker.eagle_config import EAGLE_METHODS, eagle_head_config
-from gpu_worker.kv_cache import (
-    kv_cache_bytes_per_block,
-    model_bytes_per_block,
-    num_blocks_for_budget,
-    num_kv_heads_per_rank,
-    resolve_kv_cache_dtype,
-)
+from gpu_worker.kv_cache import model_bytes_per_block, num_blocks_for_budget, resolve_kv_cache_dtype
 from gpu_worker.kv_cache_groups import group_attention_layers
 from gpu_worker.layers.weight_utils import WeightLike
 from gpu_worker.logits_processor_batch import LogitsProcessorBatch
@@ -248,7 +242,7 @@ class Worker:
                                   logits_processors=self._logits_processor_batch(),
                                   mamba_state_dtypes=self.mamba_state_dtypes,
                                   num_recurrent_state_slots=self.num_recurrent_state_slots,
-                                  hybrid_kv_cache=self.kv_cache_grouping is not None)
+                                  kv_cache_grouping=self.kv_cache_grouping)
         self.runner.load_model(self._weight_source())
         if self.draft_config is not None and self.draft_config.eagle is not None:
             self.runner.load_eagle_drafter(self.draft_config, self.draft_model_dir, self.num_spec_tokens)
@@ -285,16 +279,10 @@ class Worker:
     def bytes_per_block(self, block_size: int) -> int:
         """A block's bytes on this rank: its stage's layers' KV cache, and the drafter's beside it (a
         draft model's, the MTP layer's)."""
-        config = self.model_config
-        if self.kv_cache_grouping is not None:  # (a page of each of the groups' shared tensors; layers of one shape)
-            heads, head_dim = (config.attention_layer_geometry[0] if config.attention_layer_geometry
-                               else (config.num_key_value_heads, config.head_dim))
-            per_block = kv_cache_bytes_per_block(self.kv_cache_grouping.group_size, block_size,
-                                                 num_kv_heads_per_rank(heads, self.world_size), head_dim,
-                                                 self.kv_cache_dtype)
-        else:
-            per_block = model_bytes_per_block(config, block_size, self.world_size, self.kv_cache_dtype,
-                                              self._num_stage_attention_layers())
+        # (Under the hybrid KV cache manager, a page of each of the groups' shared tensors.)
+        per_block = model_bytes_per_block(self.model_config, block_size, self.world_size, self.kv_cache_dtype,
+                                          self._num_stage_attention_layers() if self.kv_cache_grouping is None
+                                          else self.kv_cache_grouping.group_size)
         if self.draft_config is not None:
             per_block += model_bytes_per_block(self.draft_config, block_size, self.world_size, self.kv_cache_dtype)
         if self.mtp_config is not None:

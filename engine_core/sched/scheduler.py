@@ -658,18 +658,12 @@ class Scheduler(SchedulerInterface):
     def _can_never_fit(self, request: Request) -> bool:
         if request.num_tokens > self.max_model_len:
             return True
-        num_tokens = request.num_tokens
-        window = self.cache_config.sliding_window
-        pass_tokens = self.max_num_scheduled_tokens + self.num_lookahead_tokens
-        if self.cache_config.kv_cache_groups:
-            # (The hybrid KV cache manager: every group's blocks, a windowed one's bounded by its window.)
-            return blocks_held_bound(num_tokens, self.cache_config.kv_cache_groups, pass_tokens,
-                                     self.block_size) > self.cache_config.num_blocks
-        if window is not None:
-            # Blocks behind the window are released: at most the window's keys and one pass's tokens
-            # are held, plus a block where they straddle block edges.
-            num_tokens = min(num_tokens, window - 1 + pass_tokens + self.block_size)
-        return -(-num_tokens // self.block_size) > self.cache_config.num_blocks
+        # Blocks behind a window are released: a windowed group holds at most the window's keys and one
+        # pass's tokens, plus a block where they straddle block edges (every group's, under the hybrid
+        # KV cache manager).
+        return blocks_held_bound(request.num_tokens, self.cache_config.group_windows,
+                                 self.max_num_scheduled_tokens + self.num_lookahead_tokens,
+                                 self.block_size) > self.cache_config.num_blocks
 
     def _preempt_request(self, request: Request, timestamp: float) -> None:
         """The state transition only: the caller has already taken the request out of running."""

@@ -264,7 +264,11 @@ def test_hybrid_kv_cache_groups_greedy_matches_hf(tmp_path, kind, overrides, dec
     request's windowed blocks stay within the window's bound while its full ones grow with it."""
     path = save_tiny_model(tmp_path, kind, **overrides)
     hf = load_hf(path)
-    runner = runner_for(path, decode_in_place, num_blocks=24, block_size=4, hybrid_kv_cache=True)
+    from gpu_worker.kv_cache_groups import group_attention_layers
+
+    config = ModelConfig.from_pretrained(path)
+    runner = runner_for(path, decode_in_place, num_blocks=24, block_size=4, kv_cache_grouping=group_attention_layers(
+        [config.layer_sliding_window(i) for i in range(config.num_hidden_layers)]))
     grouping = runner.kv_cache_grouping
     assert grouping is not None and grouping.windows[0] is None and grouping.windows[-1] is not None
     # (Layers of different groups share a tensor: the cache is group_size tensors, not one a layer.)
