@@ -11,8 +11,14 @@ For each: the blocks the budget buys, the median output tokens/s over the rounds
 between the engines) and its ratio to one-group's, the preemptions of one round, the most requests
 running at once, the share of looked-up prompt tokens the prefix cache held (one round), and how many
 answers equal one-group's (a random model's near ties may flip with the batch's shapes).
+--draft-layers N: both engines decode speculatively (--num-speculative-tokens a pass) with a draft
+model of the model's first N layers (its embedding, norm and head too); the draft's KV cache, in
+tensors of its own on the full group's block ids, takes its share of the same budget, and the share of
+drafts accepted is printed. (N = 12, the model as its own draft, is a drafter whose pages outweigh the
+groups at this length: both engines then keep one group.)
 Usage: python benchmarks/bench_hybrid_kv_cache.py [--num-prompts 16] [--prompt-len 768] [--max-tokens 32]
-       [--max-num-batched-tokens 256] [--kv-cache-memory-mib 16] [--rounds 3]
+       [--max-num-batched-tokens 256] [--kv-cache-memory-mib 16] [--rounds 3] [--draft-layers 0]
+       [--num-speculative-tokens 3]
 """
 
 from __future__ import annotations
@@ -44,19 +50,41 @@ def gemma3_model(out: Path, smollm2: Path) -> Path:
     return out
 
 
+def first_layers(model: Path, out: Path, num_layers: int) -> Path:
+    """A draft model of ``model``'s first ``num_layers`` layers, with its embedding, norm and head."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, out)
+    config = json.loads((out / "config.json").read_text())
+    config["num_hidden_layers"] = num_layers
+    if config.get("layer_types"):
+        config["layer_types"] = config["layer_types"][:num_layers]
+    (out / "config.json").write_text(json.dumps(config))
+    tensors = {name: t for name, t in load_file(model / "model.safetensors").items()
+               if not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers}
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
 class GroupsMode(LLMMode):
     """One way of keeping the KV cache; also counts one round's preemptions and its most running requests."""
 
-    def __init__(self, name: str, model: str, budget: int, args: argparse.Namespace, disable: bool) -> None:
+    def __init__(self, name: str, model: str, budget: int, args: argparse.Namespace, disable: bool,
+                 draft: str | None) -> None:
         super().__init__(name, LLM(model=model, kv_cache_memory_bytes=budget, max_num_seqs=args.max_num_seqs,
                                    max_num_batched_tokens=args.max_num_batched_tokens,
                                    max_model_len=args.prompt_len + args.max_tokens,
-                                   disable_hybrid_kv_cache_manager=disable))
+                                   disable_hybrid_kv_cache_manager=disable,
+                                   speculative_config={"method": "draft_model", "model": draft,
+                                                       "num_speculative_tokens": args.num_speculative_tokens}
+                                   if draft else None))
         engine = self.llm._engine
         self.num_blocks = engine.scheduler.cache_config.num_blocks
         self.num_groups = max(1, len(engine.scheduler.cache_config.kv_cache_groups))
         self.preemptions = self.most_running = 0
-        self.hit_rate = 0.0
+        self.hit_rate = self.accepted = 0.0
         step = engine.step
 
         def counted_step():  # (the most requests one pass runs)
@@ -75,6 +103,9 @@ class GroupsMode(LLMMode):
         # (The prompt tokens found in the prefix cache, of those looked up.)
         queries = after.prefix_cache_queries - before.prefix_cache_queries
         self.hit_rate = (after.prefix_cache_hits - before.prefix_cache_hits) / max(queries, 1)
+        drafted = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+        accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+        self.accepted = accepted / max(drafted, 1)
 
 
 def main() -> None:
@@ -86,6 +117,8 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)
     parser.add_argument("--kv-cache-memory-mib", type=float, default=16.0)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--draft-layers", type=int, default=0, metavar="N")
+    parser.add_argument("--num-speculative-tokens", type=int, default=3)
     args = parser.parse_args()
     from gpu_worker.model_resolver import resolve_model
 
@@ -96,23 +129,27 @@ def main() -> None:
                for _ in range(args.num_prompts)]
     budget = int(args.kv_cache_memory_mib * 2**20)
     with tempfile.TemporaryDirectory() as tmp:
-        model = str(gemma3_model(Path(tmp) / "gemma3", smollm2))
-        modes = [GroupsMode("one-group", model, budget, args, disable=True),
-                 GroupsMode("hybrid", model, budget, args, disable=False)]
+        model = gemma3_model(Path(tmp) / "gemma3", smollm2)
+        draft = str(first_layers(model, Path(tmp) / "draft", args.draft_layers)) if args.draft_layers else None
+        modes = [GroupsMode("one-group", str(model), budget, args, disable=True, draft=draft),
+                 GroupsMode("hybrid", str(model), budget, args, disable=False, draft=draft)]
         run_alternating(modes, prompts[:2], prompts,
                         SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True), args.rounds)
     one = modes[0]
     print(f"{args.num_prompts} prompts of {args.prompt_len} tokens (the first half shared) x {args.max_tokens} greedy "
           f"tokens, max_num_seqs={args.max_num_seqs}, max_num_batched_tokens={args.max_num_batched_tokens}, random "
           f"Gemma 3 (12 layers: 10 windowed of 128 keys, 2 full), KV budget {args.kv_cache_memory_mib:g} MiB each; "
-          f"median of {args.rounds} rounds")
+          f"median of {args.rounds} rounds"
+          + (f"; a draft model of its first {args.draft_layers} layers, {args.num_speculative_tokens} tokens a pass"
+             if args.draft_layers else ""))
     print(f"{'KV cache':10} {'groups':>6} {'blocks':>7} {'tok/s':>8} {'vs one-group':>13} {'preemptions':>12} "
-          f"{'most running':>13} {'prefix hits':>12}  answers equal to one-group's")
+          f"{'most running':>13} {'prefix hits':>12}" + (f" {'accepted':>9}" if args.draft_layers else "")
+          + "  answers equal to one-group's")
     for mode in modes:
         same = sum(a == b for a, b in zip(mode.answers, one.answers, strict=True))
         print(f"{mode.name:10} {mode.num_groups:6d} {mode.num_blocks:7d} {mode.rate:8.1f} "
-              f"{mode.rate / one.rate:12.2f}x {mode.preemptions:12d} {mode.most_running:13d} {mode.hit_rate:11.0%}  "
-              f"{same}/{len(mode.answers)}")
+              f"{mode.rate / one.rate:12.2f}x {mode.preemptions:12d} {mode.most_running:13d} {mode.hit_rate:11.0%}"
+              + (f" {mode.accepted:8.0%}" if args.draft_layers else "") + f"  {same}/{len(mode.answers)}")
 
 
 if __name__ == "__main__":

@@ -99,8 +99,10 @@ class EngineCore:
         groups = self.model_info.kv_cache_groups
         if groups:
             # The hybrid KV cache manager: a request holds blocks in every group, a windowed group's
-            # bounded by its window (and one pass's tokens).
-            held = blocks_held_bound(needed, groups, sched_cfg.token_budget, config.block_size)
+            # bounded by its window (and one pass's tokens, with a drafter's lookahead slots).
+            drafter = config.speculative_config
+            lookahead = drafter.num_speculative_tokens if drafter is not None and drafter.proposes_in_workers else 0
+            held = blocks_held_bound(needed, groups, sched_cfg.token_budget + lookahead, config.block_size)
             if held > num_blocks:
                 executor.shutdown()
                 raise ValueError(

@@ -31,7 +31,7 @@ from engine_core.tokenizer_files import read_image_processor_config
 from gpu_worker.bitnet_checkpoint import check_bitnet_model
 from gpu_worker.config import ModelConfig, check_dtype_supported, parse_dtype
 from gpu_worker.eagle_config import EAGLE_METHODS, eagle_head_config
-from gpu_worker.kv_cache_groups import KVCacheGrouping, hybrid_kv_cache_grouping
+from gpu_worker.kv_cache_groups import KVCacheGrouping, drafter_outweighs_groups, hybrid_kv_cache_grouping
 from gpu_worker.model_resolver import (
     DtypeRule,
     check_model_reference,
@@ -210,9 +210,13 @@ class _ExecutorBase(Executor):
                 mtp_config(self.model_config)
             except ValueError as e:
                 raise ValueError(f"engine {config.engine_index}: {e}") from None
+        # The drafter's KV cache, beside the model's (its config, and its layers where not all it has).
+        drafter_kv: tuple[ModelConfig, int | None] | None = None
+        if spec is not None and spec.method == "mtp":
+            drafter_kv = (mtp_config(self.model_config), 1)
         if draft is not None and spec is not None and spec.method in EAGLE_METHODS:
             try:  # (the head is read where the engine runs, as the workers will read it)
-                eagle_head_config(draft, spec.method, self.model_config)
+                drafter_kv = (eagle_head_config(draft, spec.method, self.model_config), None)
             except ValueError as e:
                 raise ValueError(f"engine {config.engine_index}: {e}") from None
         if self.model_config.mamba_layers and (refusal := _mamba_refusal(config, self.model_config)):
@@ -289,6 +293,17 @@ class _ExecutorBase(Executor):
         if config.scheduler.max_model_len is not None and config.scheduler.max_model_len > context:
             _check_long_max_model_len(config.engine_index, config.scheduler.max_model_len, context)
         self.max_model_len = min(wanted or context, context)
+        if self.kv_cache_grouping is not None and spec is not None and spec.method == "draft_model":
+            drafter_kv = (ModelConfig.from_pretrained(
+                resolve_model(spec.model, dtype=self._gguf_dtype_rule(config), has_tokenizer=True).model_dir), None)
+        if self.kv_cache_grouping is not None and drafter_kv is not None and spec is not None:
+            outweighs = drafter_outweighs_groups(self.kv_cache_grouping, self.model_config, *drafter_kv,
+                                                 self.max_model_len, config.block_size,
+                                                 spec.num_speculative_tokens, config.tensor_parallel_size)
+            if outweighs:
+                logger.info("engine %d: the hybrid KV cache manager is off (%s): the windowed layers keep every "
+                            "block of a request, as the full-attention ones do", config.engine_index, outweighs)
+                self.kv_cache_grouping = None
         # The workers size a pass as the engine's scheduler will (EngineCore): a budget derived from the
         # context length is derived from this one; an encoder's prompts run whole.
         scheduler = config.scheduler.with_max_model_len(self.max_model_len)

@@ -10,6 +10,12 @@ kv_cache_manager.py), so a long request holds the full groups' blocks for every 
 worth of each windowed group's. ``group_size`` is the smaller kind's layer count, or the larger's when
 they are within a quarter of each other (vLLM's rule; a last group of fewer layers leaves pages of the
 others' tensors unused in its blocks).
+
+A drafter with a KV cache of its own (a draft model, an EAGLE head, an MTP layer) keeps it in tensors
+of its own, on group 0's block ids: its layers read every key they attend to from the full-attention
+group's blocks, which a request holds from its first token (its windowed layers, a draft Gemma's say,
+read the window's keys there too). A windowed group's blocks leave their drafter pages unused, so a
+drafter whose pages outweigh what the groups save keeps one group (drafter_outweighs_groups).
 """
 
 from __future__ import annotations
@@ -17,10 +23,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from engine_core.config import EngineConfig
-from engine_core.core.kv_cache_utils import AttentionWindow
+from engine_core.core.kv_cache_utils import AttentionWindow, blocks_held_bound
 from gpu_worker.attn_metadata import ChunkedWindow, Window
 from gpu_worker.config import ModelConfig
+from gpu_worker.kv_cache import model_bytes_per_block
 
 
 @dataclass(frozen=True)
@@ -69,16 +78,35 @@ def hybrid_kv_cache_grouping(model_config: ModelConfig, config: EngineConfig) ->
                                        for i in range(model_config.num_hidden_layers)])
     if grouping is None:
         return None, ""
-    spec = config.speculative_config
     reason = ("--disable-hybrid-kv-cache-manager" if config.disable_hybrid_kv_cache_manager
               else "KV offloading (its tier copies every layer's blocks alike)" if config.kv_offloading_size
               else "--kv-transfer-config (disaggregation moves every layer's blocks alike)"
               if config.kv_transfer_config is not None
               else "pipeline parallelism" if config.pipeline_parallel_size > 1
-              else "a speculative drafter with a KV cache of its own"
-              if spec is not None and (spec.uses_draft_model or spec.method == "mtp")
               else "KV-shared layers (Gemma 3n's, Gemma 4's)"
               if model_config.gemma3n is not None or model_config.gemma4 is not None
               else "layers whose KV caches differ in shape" if len(set(model_config.attention_layer_geometry)) > 1
               else "")
     return (None, reason) if reason else (grouping, "")
+
+
+def drafter_outweighs_groups(grouping: KVCacheGrouping, model_config: ModelConfig, drafter: ModelConfig,
+                             drafter_layers: int | None, max_model_len: int, block_size: int, num_lookahead_tokens: int,
+                             tp_size: int) -> str:
+    """Why ``grouping`` should give way to one group beside a drafter keeping ``drafter``'s KV cache (of
+    ``drafter_layers`` layers; None: all that attend) on every block id, or "" where it should not: a
+    request of ``max_model_len`` tokens, decoding, holds more memory over the groups (a block in each,
+    each block the groups' pages and the drafter's) than one group's blocks would hold (each every
+    layer's page and the drafter's). A one-layer EAGLE head or a small draft model keeps the groups; a
+    draft model the size of the target beside a model of many short groups does not."""
+    dtype = torch.bfloat16  # (a ratio of two caches of one KV dtype)
+    grouped = model_bytes_per_block(model_config, block_size, tp_size, dtype, grouping.group_size)
+    single = model_bytes_per_block(model_config, block_size, tp_size, dtype)
+    beside = model_bytes_per_block(drafter, block_size, tp_size, dtype, drafter_layers)
+    num_blocks = -(-max_model_len // block_size)
+    held = blocks_held_bound(max_model_len, grouping.engine_windows, 1 + num_lookahead_tokens, block_size)
+    ratio = (grouped + beside) * held / ((single + beside) * num_blocks)
+    if ratio <= 1:
+        return ""
+    return (f"a drafter with a KV cache of its own, whose pages sit beside every block of every group: a "
+            f"{max_model_len}-token request would hold {ratio:.2f}x the memory it holds in one group")

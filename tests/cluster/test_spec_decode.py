@@ -283,6 +283,69 @@ def test_a_windowed_target_takes_a_draft_windowed_no_wider(tiny_model_dir, tmp_p
         LLM(model=str(target), num_gpu_blocks=64, max_model_len=128, speculative_config=_draft(tiny_model_dir))
 
 
+def test_a_draft_model_keeps_its_cache_on_the_full_attention_group_of_a_hybrid_kv_cache(tmp_path):
+    """Gemma 3's pattern (five windowed layers of 8 keys to one full layer) as its own draft, under the
+    hybrid KV cache manager: the draft's cache lies on the full-attention group's blocks (its windowed
+    layers read their window there), the windowed groups' blocks behind the window go back to the
+    pool, and every draft is accepted through chunked prefill, preemption and prefix-cache hits, the
+    answers transformers'. Where the draft's pages beside every block would outweigh what the groups
+    save, the engine keeps one group."""
+    import torch
+
+    from tests.cluster.test_architectures import PROMPTS as ID_PROMPTS
+    from tests.engine_core.test_engine_service import _greedy_holding
+    from tests.gpu_worker.utils import hf_greedy as hf_greedy_ids
+    from tests.gpu_worker.utils import load_hf, save_tiny_model
+    from tests.tiny_model import build_tokenizer
+
+    model = save_tiny_model(tmp_path / "gemma3", "gemma3", num_hidden_layers=6, sliding_window_pattern=6,
+                            max_position_embeddings=256)
+    build_tokenizer().save_pretrained(model)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    # (80 blocks of 4: a 128-token request holds 32 blocks in the full group and 8 in each windowed one.)
+    llm = LLM(model=str(model), num_gpu_blocks=80, block_size=4, max_num_batched_tokens=16, max_num_seqs=8,
+              max_model_len=128, speculative_config=_draft(model))
+    try:
+        engine = llm._engine
+        assert len(engine.model_info.kv_cache_groups) == 6
+        first = llm.generate(ID_PROMPTS, params, use_tqdm=False)
+        stats = llm.get_stats()[0]
+        llm.generate(ID_PROMPTS[2:3], params, use_tqdm=False)
+        again = llm.generate(ID_PROMPTS[2:3], params, use_tqdm=False)  # (its 45-token prompt's blocks are cached)
+        stats_again = llm.get_stats()[0]
+        manager = engine.scheduler.kv_cache_manager
+        prompt = [(7 * i + 3) % 256 for i in range(100)]
+        long_answer, held = _greedy_holding(engine, prompt, 8,
+                                            lambda rid: manager.get_num_held_blocks(rid) - manager.get_num_blocks(rid))
+        final = llm.get_stats()[0]
+    finally:
+        llm.shutdown()
+    hf = load_hf(model)
+    with torch.no_grad():
+        expected = [hf_greedy_ids(hf, p, 24) for p in ID_PROMPTS]
+        assert long_answer == hf_greedy_ids(hf, prompt, 8)
+    assert [o.outputs[0].token_ids for o in first] == expected
+    assert [o.outputs[0].token_ids for o in again] == expected[2:3]
+    assert stats.num_preemptions > 0, "the KV pool was meant to force preemption"
+    assert sum(o.num_cached_tokens for o in again) > 0
+    # (At most one draft lost to a near tie a run, as above; a draft reading a released block would lose many.)
+    assert stats.spec_decode_num_draft_tokens > 0
+    assert stats.spec_decode_num_draft_tokens - stats.spec_decode_num_accepted_tokens <= 1
+    drafted = final.spec_decode_num_draft_tokens - stats.spec_decode_num_draft_tokens
+    accepted = final.spec_decode_num_accepted_tokens - stats.spec_decode_num_accepted_tokens
+    assert drafted > 0 and drafted - accepted <= 2
+    # Each windowed group held at most (7 keys behind + 16 new + 3 lookahead) / 4, plus a block at each end.
+    assert 0 < held <= 5 * 8
+    assert stats_again.num_free_blocks == stats_again.num_blocks and final.num_free_blocks == final.num_blocks
+    # Where every request lies within the window, each holds a block in every group a position, and the
+    # draft's pages beside each would outweigh what the groups save: one group.
+    short = LLM(model=str(model), num_gpu_blocks=80, block_size=4, max_model_len=16, speculative_config=_draft(model))
+    try:
+        assert short._engine.model_info.kv_cache_groups == ()
+    finally:
+        short.shutdown()
+
+
 def test_a_draft_with_the_beginning_of_the_targets_vocabulary(tiny_model_dir, tmp_path):
     """A draft whose vocabulary is the target's first ids (as a target's is padded for its shards):
     target tokens beyond it (a few of the prompts') reach the draft as token 0, and the answers stay

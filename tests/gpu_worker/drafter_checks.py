@@ -20,9 +20,12 @@ def check_every_draft(runner: ModelRunner, reference, k: int, num_blocks: int = 
     """Four greedy requests (prompts of 5, 30, 11 and 1 tokens: chunked prefill under ``budget``)
     drafted for ``k`` tokens a pass: every draft is ``reference.drafts(sequence so far, n)``, the
     answers are ``reference.target``'s (transformers) greedy ones, and drafts were rejected, and
-    accepted (unless not ``some_accepted``: a drafter of random weights)."""
+    accepted (unless not ``some_accepted``: a drafter of random weights). A runner with KV cache
+    groups gets a scheduler of its groups."""
+    grouping = runner.kv_cache_grouping
     scheduler = make_scheduler(num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=budget,
-                               num_spec_tokens=k, prefix_caching=False)
+                               num_spec_tokens=k, prefix_caching=False,
+                               kv_cache_groups=grouping.engine_windows if grouping is not None else ())
     scheduler.num_lookahead_tokens = k
     generator = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in (5, 30, 11, 1)]

@@ -16,6 +16,7 @@ import torch
 
 from gpu_worker.config import ModelConfig
 from gpu_worker.eagle_config import eagle_head_config
+from gpu_worker.kv_cache_groups import group_attention_layers
 from gpu_worker.layers.weight_utils import materialize
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.weights import iter_checkpoint
@@ -123,10 +124,15 @@ class EagleReference:
 
 
 def eagle_runner(target: Path, head: Path, method: str, num_blocks: int, block_size: int,
-                 max_num_batched_tokens: int) -> ModelRunner:
+                 max_num_batched_tokens: int, hybrid_kv_cache: bool = False) -> ModelRunner:
+    """``hybrid_kv_cache``: the target's layers (full-attention and windowed) in KV cache groups."""
     config = ModelConfig.from_pretrained(target)
+    grouping = None
+    if hybrid_kv_cache:
+        grouping = group_attention_layers([config.layer_sliding_window(i) for i in range(config.num_hidden_layers)])
+        assert grouping is not None
     runner = ModelRunner(config, device="cpu", dtype=torch.float32, max_model_len=256,
-                         max_num_batched_tokens=max_num_batched_tokens, num_spec_tokens=K)
+                         max_num_batched_tokens=max_num_batched_tokens, num_spec_tokens=K, kv_cache_grouping=grouping)
     runner.load_model(target)
     runner.load_eagle_drafter(eagle_head_config(head, method, config), head, K)
     runner.initialize_kv_cache(num_blocks, block_size)
@@ -162,6 +168,20 @@ def test_every_eagle_draft_is_the_references_through_chunks_and_rejections(case,
     stack = runner.model.model
     assert stack.aux_layer_ids == reference.aux_ids
     assert stack.aux_hidden_states == []
+
+
+def test_eagle3_drafts_for_a_model_whose_windowed_layers_keep_a_kv_cache_group_of_their_own(tmp_path):
+    """GPT-OSS (windowed layers of 8 keys between full-attention ones, attention sinks) under the hybrid
+    KV cache manager: the head's cache sits on the full-attention group's blocks while the windowed
+    group's blocks behind the window are released, and every draft is still the reference's."""
+    target = save_near_bigram_target(tmp_path / "target", kind="gpt_oss", near_bigram=0.005)
+    # (A head of plain RoPE and no attention biases, as the released GPT-OSS EAGLE-3 heads are Llama layers.)
+    head = save_tiny_eagle_head(tmp_path / "head", target, "eagle3", near_bigram=0.02, draft_vocab_size=200,
+                                config_overrides={"attention_bias": False,
+                                                  "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}})
+    runner = eagle_runner(target, head, "eagle3", 96, 4, 24, hybrid_kv_cache=True)
+    assert runner.kv_cache_grouping.windows == (None, 8)
+    check_every_draft(runner, EagleReference(target, head, "eagle3"), K)
 
 
 def test_the_memory_profile_keeps_no_inner_hidden_states_after_it(tmp_path):

@@ -54,13 +54,41 @@ def test_the_hybrid_manager_is_off_where_a_feature_moves_or_copies_every_layers_
     assert grouping is not None and grouping.windows == (None, 5) and reason == ""
     for change, why in [({"disable_hybrid_kv_cache_manager": True}, "--disable-hybrid-kv-cache-manager"),
                         ({"kv_offloading_size": 1.0}, "KV offloading"),
-                        ({"pipeline_parallel_size": 2}, "pipeline parallelism"),
-                        ({"speculative_config": SpeculativeConfig(method="draft_model", model=str(path),
-                                                                  num_speculative_tokens=2)}, "drafter")]:
+                        ({"pipeline_parallel_size": 2}, "pipeline parallelism")]:
         grouping, reason = hybrid_kv_cache_grouping(config, dataclasses.replace(base, **change))
         assert grouping is None and why in reason, change
-    # (n-gram drafts keep no KV cache of their own: the groups stay.)
-    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=2, prompt_lookup_max=2, prompt_lookup_min=1)
-    assert hybrid_kv_cache_grouping(config, dataclasses.replace(base, speculative_config=ngram))[0] is not None
+    # Drafters keep the groups: n-gram drafts keep no KV cache, a draft model's or an MTP layer's sits on
+    # group 0's blocks.
+    for spec in (SpeculativeConfig(method="ngram", num_speculative_tokens=2, prompt_lookup_max=2, prompt_lookup_min=1),
+                 SpeculativeConfig(method="draft_model", model=str(path), num_speculative_tokens=2),
+                 SpeculativeConfig(method="mtp", num_speculative_tokens=1)):
+        assert hybrid_kv_cache_grouping(config, dataclasses.replace(base, speculative_config=spec))[0] is not None
     mistral = ModelConfig.from_pretrained(save_tiny_model(tmp_path / "m", "mistral", sliding_window=5))
     assert hybrid_kv_cache_grouping(mistral, base) == (None, "")
+
+
+def test_a_drafter_keeps_the_groups_unless_its_pages_beside_every_block_outweigh_them(tmp_path):
+    """A drafter's KV cache lies on group 0's block ids, a page beside each block of every group: the groups
+    stay where a max-length request still holds less memory over them than in one group."""
+    from gpu_worker.kv_cache_groups import drafter_outweighs_groups
+
+    # Gemma 3's pattern in 12 layers: 2 full, 10 windowed of 128 keys, groups of 2 layers (6 groups).
+    config = ModelConfig.from_pretrained(save_tiny_model(tmp_path, "gemma3", num_hidden_layers=12,
+                                                         sliding_window=128, sliding_window_pattern=6,
+                                                         max_position_embeddings=2048))
+    grouping, _ = hybrid_kv_cache_grouping(config, EngineConfig(model=str(tmp_path)))
+    assert grouping.group_size == 2 and len(grouping.windows) == 6
+
+    def outweighs(drafter_layers: int | None, max_model_len: int) -> str:
+        return drafter_outweighs_groups(grouping, config, config, drafter_layers, max_model_len, 16, 3, 1)
+
+    # A one-layer drafter (an EAGLE head): 3 pages a block over 100 blocks against 13 over 50.
+    assert outweighs(1, 800) == ""
+    # The model as its own draft model: 14 pages a block over 100 blocks against 24 over 50.
+    assert outweighs(None, 800) == ("a drafter with a KV cache of its own, whose pages sit beside every block of "
+                                    "every group: a 800-token request would hold 1.17x the memory it holds in "
+                                    "one group")
+    # ... which a request long past the window outgrows: 14 over 510 blocks against 24 over 460.
+    assert outweighs(None, 7360) == ""
+    # Within the window a request holds a block in every group a position: 6 x 3 pages against 13.
+    assert "1.38x" in outweighs(1, 128)
