@@ -31,7 +31,7 @@ from engine_core.tokenizer_files import read_image_processor_config
 from gpu_worker.bitnet_checkpoint import check_bitnet_model
 from gpu_worker.config import ModelConfig, check_dtype_supported, parse_dtype
 from gpu_worker.eagle_config import EAGLE_METHODS, eagle_head_config
-from gpu_worker.kv_cache_groups import KVCacheGrouping, drafter_outweighs_groups, hybrid_kv_cache_grouping
+from gpu_worker.kv_cache_groups import KVCacheGrouping, groups_cost_more, hybrid_kv_cache_grouping
 from gpu_worker.model_resolver import (
     DtypeRule,
     check_model_reference,
@@ -116,6 +116,15 @@ def _worker_kwargs(config: EngineConfig, model: str | Path, max_model_len: int, 
         "kv_offloading_bytes": config.kv_offloading_bytes_per_rank(),
         "pp_layer_partition": config.pp_layer_partition if config.pipeline_parallel_size > 1 else None,
     }
+
+
+def read_model_config(model: str) -> ModelConfig:
+    """``model``'s configuration (a directory's config.json, a GGUF's metadata), nothing converted."""
+    from gpu_worker.gguf_loader import gguf_hf_config
+    from gpu_worker.model_resolver import locate_model
+
+    path, is_gguf = locate_model(model)
+    return ModelConfig.from_dict(gguf_hf_config(path)) if is_gguf else ModelConfig.from_pretrained(path)
 
 
 def draft_model_reference(config: EngineConfig) -> str | None:
@@ -294,15 +303,17 @@ class _ExecutorBase(Executor):
             _check_long_max_model_len(config.engine_index, config.scheduler.max_model_len, context)
         self.max_model_len = min(wanted or context, context)
         if self.kv_cache_grouping is not None and spec is not None and spec.method == "draft_model":
-            drafter_kv = (ModelConfig.from_pretrained(
-                resolve_model(spec.model, dtype=self._gguf_dtype_rule(config), has_tokenizer=True).model_dir), None)
-        if self.kv_cache_grouping is not None and drafter_kv is not None and spec is not None:
-            outweighs = drafter_outweighs_groups(self.kv_cache_grouping, self.model_config, *drafter_kv,
-                                                 self.max_model_len, config.block_size,
-                                                 spec.num_speculative_tokens, config.tensor_parallel_size)
-            if outweighs:
+            drafter_kv = (read_model_config(spec.model), None)
+        if self.kv_cache_grouping is not None:
+            # (A decoding pass: the request's token, the drafts it verifies, a drafter's lookahead slots.)
+            drafts = (spec.num_speculative_tokens or 0) if spec is not None else 0
+            pass_tokens = 1 + drafts + (drafts if spec is not None and spec.proposes_in_workers else 0)
+            costlier = groups_cost_more(self.kv_cache_grouping, self.model_config, self.max_model_len,
+                                        config.block_size, pass_tokens, config.tensor_parallel_size,
+                                        config.pipeline_parallel_size, drafter_kv)
+            if costlier:
                 logger.info("engine %d: the hybrid KV cache manager is off (%s): the windowed layers keep every "
-                            "block of a request, as the full-attention ones do", config.engine_index, outweighs)
+                            "block of a request, as the full-attention ones do", config.engine_index, costlier)
                 self.kv_cache_grouping = None
         # The workers size a pass as the engine's scheduler will (EngineCore): a budget derived from the
         # context length is derived from this one; an encoder's prompts run whole.
@@ -544,10 +555,13 @@ class UniProcExecutor(_ExecutorBase):
 def default_cpu_kv_bytes(config: EngineConfig, max_model_len: int, bytes_per_block: int,
                          grouping: KVCacheGrouping | None = None) -> int:
     """max_num_seqs full-length sequences' blocks (under the hybrid KV cache manager, ``grouping``'s: a
-    block in every group, a windowed group's as many as its window bounds), capped at 1 GiB."""
+    block in every group, a windowed group's as many as its window bounds, a pass's tokens and a
+    drafter's lookahead slots), capped at 1 GiB."""
     windows = grouping.engine_windows if grouping is not None else (None,)
-    blocks_wanted = config.scheduler.max_num_seqs * blocks_held_bound(max_model_len, windows,
-                                                                      config.scheduler.token_budget, config.block_size)
+    spec = config.speculative_config
+    lookahead = (spec.num_speculative_tokens or 0) if spec is not None and spec.proposes_in_workers else 0
+    blocks_wanted = config.scheduler.max_num_seqs * blocks_held_bound(
+        max_model_len, windows, config.scheduler.token_budget + lookahead, config.block_size)
     return min(blocks_wanted * bytes_per_block, 1 << 30)
 
 

@@ -105,6 +105,13 @@ def _names_gguf(model: str) -> bool:
             or (path.is_dir() and not (path / "config.json").is_file()))
 
 
+def locate_model(model: str) -> tuple[Path, bool]:
+    """The GGUF file or HF directory ``model`` names (its tokenizer files not required), and whether it
+    is a GGUF: where its configuration is read without converting anything."""
+    path, _, is_gguf = _locate(model, has_tokenizer=True)
+    return path, is_gguf
+
+
 def _locate(model: str, has_tokenizer: bool = False) -> tuple[Path, str, bool]:
     """(the GGUF file or complete HF directory ``model`` names, its served name, whether it is a GGUF)."""
     if not model or not model.strip():

@@ -35,7 +35,7 @@ from gpu_worker.draft_model import DraftModel, PassInputs
 from gpu_worker.encoder_metadata import EncoderMetadata
 from gpu_worker.hidden_state_drafter import HiddenStateDrafter
 from gpu_worker.kv_cache import FP8_DTYPES, allocate_kv_cache, allocate_layer_kv_caches, copy_kv_blocks
-from gpu_worker.kv_cache_groups import KVCacheGrouping, group_attention_layers
+from gpu_worker.kv_cache_groups import KVCacheGrouping
 from gpu_worker.layers.attention import PagedAttention
 from gpu_worker.layers.mamba import MambaMixer2, MambaState, mamba_step_metadata
 from gpu_worker.layers.rotary import longrope_rows
@@ -376,8 +376,9 @@ class ModelRunner:
 
     def _check_kv_cache_grouping(self, layers: list[nn.Module]) -> None:
         """Refuse layers that are not what the KV cache groups were planned from (the model's config: the
-        engine's scheduler keeps blocks for those groups)."""
-        if (group_attention_layers([layer.sliding_window for layer in layers]) != self.kv_cache_grouping
+        engine's scheduler keeps blocks for those groups; a pipeline stage's layers, its share of them)."""
+        assert self.kv_cache_grouping is not None
+        if (self.kv_cache_grouping.layer_windows() != [layer.sliding_window for layer in layers]
                 or not all(isinstance(layer, PagedAttention) for layer in layers)
                 or len({(layer.num_kv_heads, layer.head_dim) for layer in layers}) > 1):
             raise ValueError(f"{self.config.architecture}: the hybrid KV cache manager needs paged attention layers of "

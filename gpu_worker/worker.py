@@ -29,7 +29,7 @@ from gpu_worker.config import (
 )
 from gpu_worker.eagle_config import EAGLE_METHODS, eagle_head_config
 from gpu_worker.kv_cache import model_bytes_per_block, num_blocks_for_budget, resolve_kv_cache_dtype
-from gpu_worker.kv_cache_groups import group_attention_layers
+from gpu_worker.kv_cache_groups import group_attention_layers, pipeline_stages
 from gpu_worker.layers.weight_utils import WeightLike
 from gpu_worker.logits_processor_batch import LogitsProcessorBatch
 from gpu_worker.lora.manager import LoRAManager
@@ -160,11 +160,17 @@ class Worker:
         self.max_model_len = max_model_len
         # The attention layers keep their caches in KV cache groups (gpu_worker/kv_cache_groups.py): a
         # block is a page of each of the groups' shared tensors.
+        # (Under pipeline parallelism each group takes its share of layers from every stage, and this
+        # rank's stage keeps that share's tensors for its own layers.)
+        num_layers = self.model_config.num_hidden_layers
+        stages = pipeline_stages(num_layers, pipeline_parallel_size, self.pp_layer_partition)
         self.kv_cache_grouping = (group_attention_layers([self.model_config.layer_sliding_window(i)
-                                                          for i in range(self.model_config.num_hidden_layers)])
+                                                          for i in range(num_layers)], stages)
                                   if hybrid_kv_cache else None)
         if hybrid_kv_cache and self.kv_cache_grouping is None:
             raise ValueError("hybrid_kv_cache: the model does not mix full-attention and windowed layers")
+        if self.kv_cache_grouping is not None and stages:
+            self.kv_cache_grouping = self.kv_cache_grouping.for_stage(*stages[rank // world_size])
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_spec_tokens = num_spec_tokens

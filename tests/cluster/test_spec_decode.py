@@ -302,9 +302,10 @@ def test_a_draft_model_keeps_its_cache_on_the_full_attention_group_of_a_hybrid_k
                             max_position_embeddings=256)
     build_tokenizer().save_pretrained(model)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    # (80 blocks of 4: a 128-token request holds 32 blocks in the full group and 8 in each windowed one.)
-    llm = LLM(model=str(model), num_gpu_blocks=80, block_size=4, max_num_batched_tokens=16, max_num_seqs=8,
-              max_model_len=128, speculative_config=_draft(model))
+    # (110 blocks of 4: a 256-token request holds 64 blocks in the full group and at most 8 in each windowed
+    # one; decoding, 5: 7 pages a block over 89 blocks against 12 over 64, so the groups stay.)
+    llm = LLM(model=str(model), num_gpu_blocks=110, block_size=4, max_num_batched_tokens=16, max_num_seqs=8,
+              max_model_len=256, speculative_config=_draft(model))
     try:
         engine = llm._engine
         assert len(engine.model_info.kv_cache_groups) == 6
@@ -339,7 +340,7 @@ def test_a_draft_model_keeps_its_cache_on_the_full_attention_group_of_a_hybrid_k
     assert stats_again.num_free_blocks == stats_again.num_blocks and final.num_free_blocks == final.num_blocks
     # Where every request lies within the window, each holds a block in every group a position, and the
     # draft's pages beside each would outweigh what the groups save: one group.
-    short = LLM(model=str(model), num_gpu_blocks=80, block_size=4, max_model_len=16, speculative_config=_draft(model))
+    short = LLM(model=str(model), num_gpu_blocks=110, block_size=4, max_model_len=16, speculative_config=_draft(model))
     try:
         assert short._engine.model_info.kv_cache_groups == ()
     finally:

@@ -173,15 +173,17 @@ def test_every_eagle_draft_is_the_references_through_chunks_and_rejections(case,
 def test_eagle3_drafts_for_a_model_whose_windowed_layers_keep_a_kv_cache_group_of_their_own(tmp_path):
     """GPT-OSS (windowed layers of 8 keys between full-attention ones, attention sinks) under the hybrid
     KV cache manager: the head's cache sits on the full-attention group's blocks while the windowed
-    group's blocks behind the window are released, and every draft is still the reference's."""
-    target = save_near_bigram_target(tmp_path / "target", kind="gpt_oss", near_bigram=0.005)
+    group's blocks behind the window are released and, the pool being small, handed to other requests;
+    every draft of a head of random weights (its attention counts in every draft) is still the
+    reference's."""
+    target = save_tiny_model(tmp_path / "target", "gpt_oss", num_hidden_layers=8)
     # (A head of plain RoPE and no attention biases, as the released GPT-OSS EAGLE-3 heads are Llama layers.)
-    head = save_tiny_eagle_head(tmp_path / "head", target, "eagle3", near_bigram=0.02, draft_vocab_size=200,
+    head = save_tiny_eagle_head(tmp_path / "head", target, "eagle3", draft_vocab_size=200,
                                 config_overrides={"attention_bias": False,
                                                   "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}})
-    runner = eagle_runner(target, head, "eagle3", 96, 4, 24, hybrid_kv_cache=True)
+    runner = eagle_runner(target, head, "eagle3", 40, 4, 24, hybrid_kv_cache=True)
     assert runner.kv_cache_grouping.windows == (None, 8)
-    check_every_draft(runner, EagleReference(target, head, "eagle3"), K)
+    check_every_draft(runner, EagleReference(target, head, "eagle3"), K, num_blocks=40, some_accepted=False)
 
 
 def test_the_memory_profile_keeps_no_inner_hidden_states_after_it(tmp_path):

@@ -10,7 +10,7 @@ from engine_core.config import EngineConfig, SpeculativeConfig
 from engine_core.core.kv_cache_utils import AttentionWindow
 from gpu_worker.attn_metadata import ChunkedWindow
 from gpu_worker.config import ModelConfig
-from gpu_worker.kv_cache_groups import group_attention_layers, hybrid_kv_cache_grouping
+from gpu_worker.kv_cache_groups import group_attention_layers, groups_cost_more, hybrid_kv_cache_grouping
 from tests.gpu_worker.utils import save_tiny_model
 
 
@@ -53,8 +53,7 @@ def test_the_hybrid_manager_is_off_where_a_feature_moves_or_copies_every_layers_
     grouping, reason = hybrid_kv_cache_grouping(config, base)
     assert grouping is not None and grouping.windows == (None, 5) and reason == ""
     for change, why in [({"disable_hybrid_kv_cache_manager": True}, "--disable-hybrid-kv-cache-manager"),
-                        ({"kv_offloading_size": 1.0}, "KV offloading"),
-                        ({"pipeline_parallel_size": 2}, "pipeline parallelism")]:
+                        ({"kv_offloading_size": 1.0}, "KV offloading")]:
         grouping, reason = hybrid_kv_cache_grouping(config, dataclasses.replace(base, **change))
         assert grouping is None and why in reason, change
     # Drafters keep the groups: n-gram drafts keep no KV cache, a draft model's or an MTP layer's sits on
@@ -67,11 +66,28 @@ def test_the_hybrid_manager_is_off_where_a_feature_moves_or_copies_every_layers_
     assert hybrid_kv_cache_grouping(mistral, base) == (None, "")
 
 
-def test_a_drafter_keeps_the_groups_unless_its_pages_beside_every_block_outweigh_them(tmp_path):
-    """A drafter's KV cache lies on group 0's block ids, a page beside each block of every group: the groups
-    stay where a max-length request still holds less memory over them than in one group."""
-    from gpu_worker.kv_cache_groups import drafter_outweighs_groups
+def test_pipeline_stages_each_keep_a_share_of_every_group():
+    """Gemma 3 1B's pattern over two stages of 13 layers: each group takes two layers from each stage, so
+    each stage keeps two shared tensors (four over both, as one stage keeps) and no group's block leaves a
+    stage's pages unused but the last windowed group's."""
+    windows = [None if (i + 1) % 6 == 0 else 512 for i in range(26)]
+    grouping = group_attention_layers(windows, [(0, 13), (13, 26)])
+    assert grouping.group_size == 2
+    assert grouping.layers == ((5, 11, 17, 23), (0, 1, 13, 14), (2, 3, 15, 16), (4, 6, 18, 19), (7, 8, 20, 21),
+                               (9, 10, 22, 24), (12, 25))
+    first, second = grouping.for_stage(0, 13), grouping.for_stage(13, 26)
+    assert first.layers == ((5, 11), (0, 1), (2, 3), (4, 6), (7, 8), (9, 10), (12,))
+    assert second.layers == ((4, 10), (0, 1), (2, 3), (5, 6), (7, 8), (9, 11), (12,))
+    assert first.windows == second.windows == grouping.windows and first.group_size == 2
+    assert first.layer_windows() == windows[:13] and second.layer_windows() == windows[13:]
+    # (One stage: the grouping as before.)
+    assert group_attention_layers(windows, [(0, 26)]) == group_attention_layers(windows)
 
+
+def test_the_groups_give_way_where_a_max_length_request_would_hold_more_memory_over_them(tmp_path):
+    """A block is a page of every stage's shared tensors (and of a drafter's cache, which lies on every
+    block id): the groups stay only where a max-length request, decoding, holds no more memory over them
+    than in one group."""
     # Gemma 3's pattern in 12 layers: 2 full, 10 windowed of 128 keys, groups of 2 layers (6 groups).
     config = ModelConfig.from_pretrained(save_tiny_model(tmp_path, "gemma3", num_hidden_layers=12,
                                                          sliding_window=128, sliding_window_pattern=6,
@@ -79,16 +95,33 @@ def test_a_drafter_keeps_the_groups_unless_its_pages_beside_every_block_outweigh
     grouping, _ = hybrid_kv_cache_grouping(config, EngineConfig(model=str(tmp_path)))
     assert grouping.group_size == 2 and len(grouping.windows) == 6
 
-    def outweighs(drafter_layers: int | None, max_model_len: int) -> str:
-        return drafter_outweighs_groups(grouping, config, config, drafter_layers, max_model_len, 16, 3, 1)
+    def costlier(max_model_len: int, drafter_layers: int | None = -1, grouped=grouping, pp: int = 1) -> str:
+        drafter = None if drafter_layers == -1 else (config, drafter_layers)
+        # (A decoding pass verifying 3 drafts, with 3 lookahead slots, where there is a drafter.)
+        return groups_cost_more(grouped, config, max_model_len, 16, 7 if drafter else 1, 1, pp, drafter)
 
-    # A one-layer drafter (an EAGLE head): 3 pages a block over 100 blocks against 13 over 50.
-    assert outweighs(1, 800) == ""
-    # The model as its own draft model: 14 pages a block over 100 blocks against 24 over 50.
-    assert outweighs(None, 800) == ("a drafter with a KV cache of its own, whose pages sit beside every block of "
-                                    "every group: a 800-token request would hold 1.17x the memory it holds in "
-                                    "one group")
-    # ... which a request long past the window outgrows: 14 over 510 blocks against 24 over 460.
-    assert outweighs(None, 7360) == ""
-    # Within the window a request holds a block in every group a position: 6 x 3 pages against 13.
-    assert "1.38x" in outweighs(1, 128)
+    # 2 pages a block over 50 + 5 x 9 blocks against 12 over 50.
+    assert costlier(800) == ""
+    # Within the window nothing is released: 6 x 2 pages a position against 12 (equal: the groups stay) ...
+    assert costlier(128) == ""
+    # ... but with a one-layer drafter (an EAGLE head) beside every block, 6 x 3 against 13.
+    assert costlier(128, 1) == ("over its 6 KV cache groups a 128-token request would hold 1.38x the memory it "
+                                "holds in one group (a drafter's KV cache sits beside every block of every group)")
+    assert costlier(800, 1) == ""  # (3 pages a block over 100 blocks against 13 over 50)
+    # The model as its own draft model: 14 pages a block over 100 blocks against 24 over 50, which a
+    # request long past the window outgrows (14 over 510 against 24 over 460).
+    assert "1.17x" in costlier(800, None)
+    assert costlier(7360, None) == ""
+    # Two stages: Gemma 3's two full layers, one a stage, and five windowed on each: a tensor a stage,
+    # so a block is 2 pages, as over one stage, and within the window 6 x 2 pages against 12 again.
+    staged = group_attention_layers([config.layer_sliding_window(i) for i in range(12)], [(0, 6), (6, 12)])
+    assert (staged.group_size, len(staged.windows)) == (1, 6)
+    assert costlier(800, grouped=staged, pp=2) == costlier(128, grouped=staged, pp=2) == ""
+    # Both full layers on the second stage (a partition of 1 and 11): a full group each, and nine windowed
+    # groups (one layer on the second stage but the first's), each block 2 pages of which 1 is used:
+    # within the window 11 x 2 pages a position against 12.
+    uneven = group_attention_layers([config.layer_sliding_window(i) for i in range(12)], [(0, 1), (1, 12)])
+    assert uneven.layers[:3] == ((5,), (11,), (0, 1)) and (uneven.group_size, len(uneven.windows)) == (1, 11)
+    assert costlier(128, grouped=uneven, pp=2) == ("over its 11 KV cache groups a 128-token request would hold "
+                                                  "1.83x the memory it holds in one group")
+    assert costlier(800, grouped=uneven, pp=2) == ""  # (2 x 2 pages a position past the window)
