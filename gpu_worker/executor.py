@@ -31,7 +31,7 @@ from engine_core.tokenizer_files import read_image_processor_config
 from gpu_worker.bitnet_checkpoint import check_bitnet_model
 from gpu_worker.config import ModelConfig, check_dtype_supported, parse_dtype
 from gpu_worker.eagle_config import EAGLE_METHODS, eagle_head_config
-from gpu_worker.kv_cache_groups import KVCacheGrouping, groups_cost_more, hybrid_kv_cache_grouping
+from gpu_worker.kv_cache_groups import KVCacheGrouping, groups_cost_more, hybrid_kv_cache_grouping, pipeline_stages
 from gpu_worker.model_resolver import (
     DtypeRule,
     check_model_reference,
@@ -308,9 +308,11 @@ class _ExecutorBase(Executor):
             # (A decoding pass: the request's token, the drafts it verifies, a drafter's lookahead slots.)
             drafts = (spec.num_speculative_tokens or 0) if spec is not None else 0
             pass_tokens = 1 + drafts + (drafts if spec is not None and spec.proposes_in_workers else 0)
+            stages = pipeline_stages(self.model_config.num_hidden_layers, config.pipeline_parallel_size,
+                                     config.pp_layer_partition)
             costlier = groups_cost_more(self.kv_cache_grouping, self.model_config, self.max_model_len,
                                         config.block_size, pass_tokens, config.tensor_parallel_size,
-                                        config.pipeline_parallel_size, drafter_kv)
+                                        max((end - start for start, end in stages), default=None), drafter_kv)
             if costlier:
                 logger.info("engine %d: the hybrid KV cache manager is off (%s): the windowed layers keep every "
                             "block of a request, as the full-attention ones do", config.engine_index, costlier)

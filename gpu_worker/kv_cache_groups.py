@@ -17,8 +17,8 @@ group's blocks, which a request holds from its first token (its windowed layers,
 read the window's keys there too). A windowed group's blocks leave their drafter pages unused.
 
 Where the groups would hold a max-length request in more memory than one group (groups_cost_more: every
-request within the window, a drafter's pages beside every block, pipeline stages holding a group's
-layers unevenly), the engine keeps one group.
+request within the window and a short last group, a drafter's pages beside every block, pipeline stages
+holding the two kinds of layers apart), the engine keeps one group.
 """
 
 from __future__ import annotations
@@ -133,20 +133,22 @@ def hybrid_kv_cache_grouping(model_config: ModelConfig, config: EngineConfig) ->
 
 
 def groups_cost_more(grouping: KVCacheGrouping, model_config: ModelConfig, max_model_len: int, block_size: int,
-                     decode_pass_tokens: int, tp_size: int, pp_size: int = 1,
+                     decode_pass_tokens: int, tp_size: int, stage_layers: int | None = None,
                      drafter: tuple[ModelConfig, int | None] | None = None) -> str:
     """Why ``grouping`` should give way to one group, or "" where it should not: a request of
     ``max_model_len`` tokens, decoding (``decode_pass_tokens`` slots a pass: its token, the drafts it
-    verifies and the lookahead slots of the next), holds more memory over the groups (a block in each,
-    each block a page of every stage's shared tensors) than one group's blocks (each every layer's page)
-    would hold. A ``drafter`` (its config, and its layers where not all it has) keeping a KV cache of its
-    own on every block id adds its pages to both. Where every request fits in the window (no windowed
-    block is ever released), beside a drafter's pages, or where pipeline stages hold a group's layers
-    unevenly, the groups can cost more. (Judged at max_model_len, the groups' best case: a shorter
+    verifies and the lookahead slots of the next), holds more memory on a worker over the groups (a
+    block in each, each block a page of the worker's shared tensors) than one group's blocks (each a
+    page of every layer the worker holds: under pipeline parallelism ``stage_layers``, the largest
+    stage's, which sets how many blocks the engine gets) would hold. A ``drafter`` (its config, and its
+    layers where not all it has) keeping a KV cache of its own on every block id adds its pages to both.
+    Where every request fits in the window (no windowed block is ever released) and a last group is
+    short or a drafter's pages sit beside every block, or where pipeline stages hold the two kinds of
+    layers apart, the groups can cost more. (Judged at max_model_len, the groups' best case: a shorter
     request holds a block in every group for each of its positions.)"""
     dtype = torch.bfloat16  # (a ratio of caches of one KV dtype)
-    grouped = model_bytes_per_block(model_config, block_size, tp_size, dtype, grouping.group_size * pp_size)
-    single = model_bytes_per_block(model_config, block_size, tp_size, dtype)
+    grouped = model_bytes_per_block(model_config, block_size, tp_size, dtype, grouping.group_size)
+    single = model_bytes_per_block(model_config, block_size, tp_size, dtype, stage_layers)
     beside = 0 if drafter is None else model_bytes_per_block(drafter[0], block_size, tp_size, dtype, drafter[1])
     num_blocks = -(-max_model_len // block_size)
     held = blocks_held_bound(max_model_len, grouping.engine_windows, decode_pass_tokens, block_size)

@@ -163,7 +163,7 @@ class Worker:
         # (Under pipeline parallelism each group takes its share of layers from every stage, and this
         # rank's stage keeps that share's tensors for its own layers.)
         num_layers = self.model_config.num_hidden_layers
-        stages = pipeline_stages(num_layers, pipeline_parallel_size, self.pp_layer_partition)
+        stages = pipeline_stages(num_layers, pipeline_parallel_size, self.pp_layer_partition) if hybrid_kv_cache else []
         self.kv_cache_grouping = (group_attention_layers([self.model_config.layer_sliding_window(i)
                                                           for i in range(num_layers)], stages)
                                   if hybrid_kv_cache else None)

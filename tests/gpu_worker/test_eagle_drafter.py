@@ -173,9 +173,8 @@ def test_every_eagle_draft_is_the_references_through_chunks_and_rejections(case,
 def test_eagle3_drafts_for_a_model_whose_windowed_layers_keep_a_kv_cache_group_of_their_own(tmp_path):
     """GPT-OSS (windowed layers of 8 keys between full-attention ones, attention sinks) under the hybrid
     KV cache manager: the head's cache sits on the full-attention group's blocks while the windowed
-    group's blocks behind the window are released and, the pool being small, handed to other requests;
-    every draft of a head of random weights (its attention counts in every draft) is still the
-    reference's."""
+    group's blocks behind the window go back to a pool of 40 blocks the four requests share; every draft
+    of a head of random weights (its attention counts in every draft) is still the reference's."""
     target = save_tiny_model(tmp_path / "target", "gpt_oss", num_hidden_layers=8)
     # (A head of plain RoPE and no attention biases, as the released GPT-OSS EAGLE-3 heads are Llama layers.)
     head = save_tiny_eagle_head(tmp_path / "head", target, "eagle3", draft_vocab_size=200,

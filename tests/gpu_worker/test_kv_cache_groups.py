@@ -95,10 +95,11 @@ def test_the_groups_give_way_where_a_max_length_request_would_hold_more_memory_o
     grouping, _ = hybrid_kv_cache_grouping(config, EngineConfig(model=str(tmp_path)))
     assert grouping.group_size == 2 and len(grouping.windows) == 6
 
-    def costlier(max_model_len: int, drafter_layers: int | None = -1, grouped=grouping, pp: int = 1) -> str:
+    def costlier(max_model_len: int, drafter_layers: int | None = -1, grouped=grouping,
+                 stage_layers: int | None = None) -> str:
         drafter = None if drafter_layers == -1 else (config, drafter_layers)
         # (A decoding pass verifying 3 drafts, with 3 lookahead slots, where there is a drafter.)
-        return groups_cost_more(grouped, config, max_model_len, 16, 7 if drafter else 1, 1, pp, drafter)
+        return groups_cost_more(grouped, config, max_model_len, 16, 7 if drafter else 1, 1, stage_layers, drafter)
 
     # 2 pages a block over 50 + 5 x 9 blocks against 12 over 50.
     assert costlier(800) == ""
@@ -112,16 +113,36 @@ def test_the_groups_give_way_where_a_max_length_request_would_hold_more_memory_o
     # request long past the window outgrows (14 over 510 against 24 over 460).
     assert "1.17x" in costlier(800, None)
     assert costlier(7360, None) == ""
-    # Two stages: Gemma 3's two full layers, one a stage, and five windowed on each: a tensor a stage,
-    # so a block is 2 pages, as over one stage, and within the window 6 x 2 pages against 12 again.
+    # Two stages (each worker's memory: the largest stage's layers set the one group's blocks): Gemma 3's
+    # two full layers, one a stage, and five windowed on each: a tensor a stage, so a block is a page
+    # against 6, and within the window 6 x 1 pages a position against 6 again.
     staged = group_attention_layers([config.layer_sliding_window(i) for i in range(12)], [(0, 6), (6, 12)])
     assert (staged.group_size, len(staged.windows)) == (1, 6)
-    assert costlier(800, grouped=staged, pp=2) == costlier(128, grouped=staged, pp=2) == ""
+    assert costlier(800, grouped=staged, stage_layers=6) == costlier(128, grouped=staged, stage_layers=6) == ""
     # Both full layers on the second stage (a partition of 1 and 11): a full group each, and nine windowed
-    # groups (one layer on the second stage but the first's), each block 2 pages of which 1 is used:
-    # within the window 11 x 2 pages a position against 12.
+    # groups, within the window 11 x 1 pages a position against 11: the groups stay.
     uneven = group_attention_layers([config.layer_sliding_window(i) for i in range(12)], [(0, 1), (1, 12)])
     assert uneven.layers[:3] == ((5,), (11,), (0, 1)) and (uneven.group_size, len(uneven.windows)) == (1, 11)
-    assert costlier(128, grouped=uneven, pp=2) == ("over its 11 KV cache groups a 128-token request would hold "
-                                                  "1.83x the memory it holds in one group")
-    assert costlier(800, grouped=uneven, pp=2) == ""  # (2 x 2 pages a position past the window)
+    assert costlier(128, grouped=uneven, stage_layers=11) == costlier(256, grouped=uneven, stage_layers=11) == ""
+    # A stage of full layers and one of windowed ones: each group's three-layer share on one stage alone,
+    # two full groups a position: 3 pages a block over 2 x 50 + 2 x 9 blocks against 6 over 50.
+    apart = group_attention_layers([None] * 6 + [128] * 6, [(0, 6), (6, 12)])
+    assert apart.layers == ((0, 1, 2), (3, 4, 5), (6, 7, 8), (9, 10, 11)) and apart.group_size == 3
+    assert costlier(800, grouped=apart, stage_layers=6) == ("over its 4 KV cache groups a 800-token request would "
+                                                            "hold 1.18x the memory it holds in one group")
+    # (Over one stage the same layers make two groups of six: 6 pages over 50 + 9 blocks against 12 over 50.)
+    assert costlier(800, grouped=group_attention_layers([None] * 6 + [128] * 6)) == ""
+
+
+def test_the_engine_plans_the_groups_over_its_pipeline_stages(tmp_path):
+    path = save_tiny_model(tmp_path, "gemma3", num_hidden_layers=6, sliding_window_pattern=3)
+    config = ModelConfig.from_pretrained(path)
+    # (Layers 2 and 5 full; a partition of 1 and 5 puts both on the second stage.)
+    grouping, _ = hybrid_kv_cache_grouping(config, EngineConfig(model=str(path), pipeline_parallel_size=2,
+                                                                pp_layer_partition=(1, 5)))
+    assert grouping.layers == ((2,), (5,), (0, 1), (3,), (4,)) and grouping.group_size == 1
+    even, _ = hybrid_kv_cache_grouping(config, EngineConfig(model=str(path), pipeline_parallel_size=2))
+    assert even.layers == ((2, 5), (0, 3), (1, 4))
+    # (A partition the model cannot have is the engine's other checks' to refuse: no grouping here.)
+    assert hybrid_kv_cache_grouping(config, EngineConfig(model=str(path), pipeline_parallel_size=2,
+                                                         pp_layer_partition=(2, 2)))[0] is None

@@ -212,10 +212,11 @@ def test_an_engine_of_several_stages_answers_as_one_worker_does(ray_cluster, tmp
 
 
 def test_two_stages_keep_a_share_of_each_kv_cache_group_and_answer_as_one_worker_does(ray_cluster, tmp_path):
-    """Gemma 3's pattern in 6 layers (every third full: 2 full, 4 windowed of 8 keys) over two stages, under
-    the hybrid KV cache manager: each group takes a layer from each stage, so each stage keeps one shared
-    tensor (one worker keeps two), and the engine answers as one worker does, through prompts past the
-    window; every block goes back to the pool."""
+    """Gemma 3's pattern in 6 layers (every third full: layers 2 and 5 full, 4 windowed of 8 keys) over two
+    stages of 1 and 5 layers (VLLM_PP_LAYER_PARTITION), under the hybrid KV cache manager: each group takes
+    at most a layer from each stage (two full groups, three windowed: the engine and both stages plan
+    alike), so each stage keeps one shared tensor (one worker keeps two), and the engine answers as one
+    worker does, through prompts past the window; every block goes back to the pool."""
     import ray
 
     from engine_core.core.kv_cache_utils import AttentionWindow
@@ -224,17 +225,17 @@ def test_two_stages_keep_a_share_of_each_kv_cache_group_and_answer_as_one_worker
     model_dir = save_tiny_model(tmp_path, "gemma3", num_hidden_layers=6, sliding_window_pattern=3,
                                 max_position_embeddings=256)
     build_tokenizer().save_pretrained(model_dir)
-    expected = _one_workers_answers(model_dir, 48)
-    staged = _engine(model_dir, 48, pipeline_parallel_size=2)
+    expected = _one_workers_answers(model_dir, 64)
+    staged = _engine(model_dir, 64, pipeline_parallel_size=2, pp_layer_partition=(1, 5))
     try:
-        assert staged.model_info.kv_cache_groups == (None, AttentionWindow(8), AttentionWindow(8))
+        assert staged.model_info.kv_cache_groups == (None, None, *[AttentionWindow(8)] * 3)
         tensors = ray.get([w.__ray_call__.remote(lambda w: len({c[0].data_ptr() for c in w.runner.kv_caches}))
                            for w in staged.executor.workers])
         assert tensors == [1, 1]
         _assert_same_answers(_run(staged, _requests()), expected)
         while staged.has_work():
             staged.step()
-        assert staged.stats().num_free_blocks == 48
+        assert staged.stats().num_free_blocks == 64
     finally:
         staged.shutdown()
 
