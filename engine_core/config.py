@@ -347,6 +347,13 @@ class SpeculativeConfig:
         return self.method in DRAFT_CHECKPOINT_METHODS
 
     @property
+    def num_lookahead_slots(self) -> int:
+        """The cache slots a request keeps ahead of its tokens for the drafts the workers propose after a
+        pass (the scheduler's num_lookahead_tokens; 0 where drafts come from the engine's token ids, which
+        a pass schedules among its tokens)."""
+        return (self.num_speculative_tokens or 0) if self.proposes_in_workers else 0
+
+    @property
     def proposes_in_workers(self) -> bool:
         """Whether the drafts come from the workers, after each pass (a draft model, the MTP layer,
         an EAGLE head), rather than from the engine's token ids (n-gram, suffix)."""

@@ -100,8 +100,8 @@ class EngineCore:
         if groups:
             # The hybrid KV cache manager: a request holds blocks in every group, a windowed group's
             # bounded by its window (and one pass's tokens, with a drafter's lookahead slots).
-            drafter = config.speculative_config
-            lookahead = drafter.num_speculative_tokens if drafter is not None and drafter.proposes_in_workers else 0
+            spec = config.speculative_config
+            lookahead = spec.num_lookahead_slots if spec is not None else 0
             held = blocks_held_bound(needed, groups, sched_cfg.token_budget + lookahead, config.block_size)
             if held > num_blocks:
                 executor.shutdown()
@@ -196,7 +196,7 @@ class EngineCore:
             self.drafter = proposer(spec, sched_cfg.max_model_len)
         # A draft model or MTP layer proposes in the workers, after the pass: the drafts' cache slots
         # come with it.
-        self.model_drafts_k = spec.num_speculative_tokens if spec is not None and spec.proposes_in_workers else 0
+        self.model_drafts_k = spec.num_lookahead_slots if spec is not None else 0
         if self.model_drafts_k:
             self.scheduler.num_lookahead_tokens = self.model_drafts_k
         self.last_stats = SchedulerStats()

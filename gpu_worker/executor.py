@@ -306,8 +306,7 @@ class _ExecutorBase(Executor):
             drafter_kv = (read_model_config(spec.model), None)
         if self.kv_cache_grouping is not None:
             # (A decoding pass: the request's token, the drafts it verifies, a drafter's lookahead slots.)
-            drafts = (spec.num_speculative_tokens or 0) if spec is not None else 0
-            pass_tokens = 1 + drafts + (drafts if spec is not None and spec.proposes_in_workers else 0)
+            pass_tokens = 1 if spec is None else 1 + (spec.num_speculative_tokens or 0) + spec.num_lookahead_slots
             stages = pipeline_stages(self.model_config.num_hidden_layers, config.pipeline_parallel_size,
                                      config.pp_layer_partition)
             costlier = groups_cost_more(self.kv_cache_grouping, self.model_config, self.max_model_len,
@@ -561,7 +560,7 @@ def default_cpu_kv_bytes(config: EngineConfig, max_model_len: int, bytes_per_blo
     drafter's lookahead slots), capped at 1 GiB."""
     windows = grouping.engine_windows if grouping is not None else (None,)
     spec = config.speculative_config
-    lookahead = (spec.num_speculative_tokens or 0) if spec is not None and spec.proposes_in_workers else 0
+    lookahead = spec.num_lookahead_slots if spec is not None else 0
     blocks_wanted = config.scheduler.max_num_seqs * blocks_held_bound(
         max_model_len, windows, config.scheduler.token_budget + lookahead, config.block_size)
     return min(blocks_wanted * bytes_per_block, 1 << 30)
