@@ -83,7 +83,7 @@ class AttentionMetadata:
     mamba: Any = None
     # Under the hybrid KV cache manager (gpu_worker/kv_cache_groups.py): each KV cache group's metadata,
     # this one first (group 0's), by group; a layer attends with its own group's (its blocks and slots).
-    groups: list[AttentionMetadata] | None = None
+    groups: list[AttentionMetadata | None] | None = None
 
     def for_window(self, window: Window | None) -> AttentionMetadata:
         """The metadata a layer with this sliding window (None: full attention) attends with."""

@@ -925,9 +925,14 @@ class ModelRunner:
                 (t for s, a, b in zip(states, starts.tolist(), ends.tolist(), strict=True) for t in s.token_ids[a:b]),
                 dtype=np.int64, count=num_tokens)
         slot_mapping = compute_slot_mapping(block_table, req_index, positions, block_size)
-        # (The hybrid KV cache manager's further groups: each its own blocks at the same positions.)
-        group_tables = [(table, compute_slot_mapping(table, req_index, positions, block_size))
-                        for table in (t.gather(rows, block_table.shape[1]) for t in self.requests.group_tables)]
+        # (The hybrid KV cache manager's further groups: each its own blocks at the same positions; none
+        # for a group with no layers on this pipeline stage.)
+        held = self.kv_cache_grouping.layers[1:] if self.kv_cache_grouping is not None else ()
+        group_tables: list[tuple[np.ndarray, np.ndarray] | None] = []
+        for layers, group_table in zip(held, self.requests.group_tables, strict=False):
+            table = group_table.gather(rows, block_table.shape[1]) if layers else None
+            group_tables.append(None if table is None else
+                                (table, compute_slot_mapping(table, req_index, positions, block_size)))
         meta = self.attention_metadata(block_table, num_blocks, query_start_loc, starts, num_decodes, slot_mapping,
                                         block_size, self.decode_in_place,
                                         self._bidirectional_images(states, starts, ends), group_tables)
@@ -1239,12 +1244,14 @@ class ModelRunner:
     def attention_metadata(self, block_table: np.ndarray, num_blocks: np.ndarray, query_start_loc: np.ndarray,
                             starts: np.ndarray, num_decodes: int, slot_mapping: np.ndarray, block_size: int,
                             decode_in_place: bool, bidirectional: dict[int, list[tuple[int, int]]] | None = None,
-                            group_tables: list[tuple[np.ndarray, np.ndarray]] | None = None) -> AttentionMetadata:
+                            group_tables: list[tuple[np.ndarray, np.ndarray] | None] | None = None
+                            ) -> AttentionMetadata:
         """This step's metadata for the model's layers: full attention, a sliding window, or (Qwen2's
         upper layers) both, the windowed one hung on the full one. ``bidirectional``: Gemma 3's
         images' position ranges, by request index (see build_attention_metadata). ``group_tables``:
         under the hybrid KV cache manager, each further group's (block table, slot mapping): each
-        group's metadata then reads its own blocks (AttentionMetadata.groups)."""
+        group's metadata then reads its own blocks (AttentionMetadata.groups; None for a group whose
+        table is None, with no layers on this pipeline stage)."""
         # (The layers' one window besides full attention: a sliding one, or Llama 4's chunks.)
         windows = self.attention_windows
         window = next((w for w in windows if w is not None), None)
@@ -1258,7 +1265,11 @@ class ModelRunner:
             # (Groups of one window share its masks: a group's own are only its blocks and slots.)
             by_window: dict[Window | None, AttentionMetadata] = {None: meta}
             meta.groups = [meta]
-            for (table, slots), group_window in zip(group_tables, grouping.windows[1:], strict=True):
+            for entry, group_window in zip(group_tables, grouping.windows[1:], strict=True):
+                if entry is None:
+                    meta.groups.append(None)
+                    continue
+                table, slots = entry
                 group_meta = build_attention_metadata(table, num_blocks, query_start_loc, starts, num_decodes, slots,
                                                       block_size, self.device, decode_in_place, window=group_window,
                                                       bidirectional=bidirectional, like=by_window.get(group_window))

@@ -146,7 +146,9 @@ class PagedAttention(nn.Module):
             raise RuntimeError("KV cache is not bound: call initialize_cache() first")
         k_cache, v_cache = self.kv_cache
         if meta.groups is not None:  # (the hybrid KV cache manager: this layer's group's blocks)
-            meta = meta.groups[self.kv_group]
+            group_meta = meta.groups[self.kv_group]
+            assert group_meta is not None, "a layer's KV cache group has metadata on its own stage"
+            meta = group_meta
         elif meta.window != self.sliding_window:
             meta = meta.for_window(self.sliding_window)
         num_kv_heads, head_dim = self.num_kv_heads, self.head_dim
