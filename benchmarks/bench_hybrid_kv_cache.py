@@ -16,9 +16,14 @@ model of the model's first N layers (its embedding, norm and head too); the draf
 tensors of its own on the full group's block ids, takes its share of the same budget, and the share of
 drafts accepted is printed. (N = 12, the model as its own draft, is a drafter whose pages outweigh the
 groups at this length: both engines then keep one group.)
+--kv-offloading-mib M: both engines keep a KV offloading host tier of M MiB behind the prefix cache
+(the groups keep each group's blocks there: a block of theirs is a page of each of the two layers a
+group holds, one-group's a page of all twelve). Every round repeats the same prompts, so from the
+second on a prompt finds its blocks on the device or in the tier; the tier's blocks and the share of
+the looked-up prompt tokens found in it (one round) are printed.
 Usage: python benchmarks/bench_hybrid_kv_cache.py [--num-prompts 16] [--prompt-len 768] [--max-tokens 32]
        [--max-num-batched-tokens 256] [--kv-cache-memory-mib 16] [--rounds 3] [--draft-layers 0]
-       [--num-speculative-tokens 3]
+       [--num-speculative-tokens 3] [--kv-offloading-mib 0]
 """
 
 from __future__ import annotations
@@ -77,14 +82,16 @@ class GroupsMode(LLMMode):
                                    max_num_batched_tokens=args.max_num_batched_tokens,
                                    max_model_len=args.prompt_len + args.max_tokens,
                                    disable_hybrid_kv_cache_manager=disable,
+                                   kv_offloading_size=args.kv_offloading_mib / 1024 if args.kv_offloading_mib else None,
                                    speculative_config={"method": "draft_model", "model": draft,
                                                        "num_speculative_tokens": args.num_speculative_tokens}
                                    if draft else None))
         engine = self.llm._engine
         self.num_blocks = engine.scheduler.cache_config.num_blocks
         self.num_groups = max(1, len(engine.scheduler.cache_config.kv_cache_groups))
+        self.num_tier_blocks = engine.scheduler.cache_config.num_offload_blocks
         self.preemptions = self.most_running = 0
-        self.hit_rate = self.accepted = 0.0
+        self.hit_rate = self.tier_hit_rate = self.accepted = 0.0
         step = engine.step
 
         def counted_step():  # (the most requests one pass runs)
@@ -103,6 +110,10 @@ class GroupsMode(LLMMode):
         # (The prompt tokens found in the prefix cache, of those looked up.)
         queries = after.prefix_cache_queries - before.prefix_cache_queries
         self.hit_rate = (after.prefix_cache_hits - before.prefix_cache_hits) / max(queries, 1)
+        # (The tier's: the prompt tokens found there, of those looked up there after the device's hit.)
+        tier_queries = after.external_prefix_cache_queries - before.external_prefix_cache_queries
+        tier_hits = after.external_prefix_cache_hits - before.external_prefix_cache_hits
+        self.tier_hit_rate = tier_hits / max(tier_queries, 1)
         drafted = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
         accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
         self.accepted = accepted / max(drafted, 1)
@@ -119,6 +130,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--draft-layers", type=int, default=0, metavar="N")
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
+    parser.add_argument("--kv-offloading-mib", type=float, default=0.0, metavar="M")
     args = parser.parse_args()
     from gpu_worker.model_resolver import resolve_model
 
@@ -141,15 +153,20 @@ def main() -> None:
           f"Gemma 3 (12 layers: 10 windowed of 128 keys, 2 full), KV budget {args.kv_cache_memory_mib:g} MiB each; "
           f"median of {args.rounds} rounds"
           + (f"; a draft model of its first {args.draft_layers} layers, {args.num_speculative_tokens} tokens a pass"
-             if args.draft_layers else ""))
+             if args.draft_layers else "")
+          + (f"; a KV offloading host tier of {args.kv_offloading_mib:g} MiB each" if args.kv_offloading_mib else ""))
+    tier = bool(args.kv_offloading_mib)
     print(f"{'KV cache':10} {'groups':>6} {'blocks':>7} {'tok/s':>8} {'vs one-group':>13} {'preemptions':>12} "
           f"{'most running':>13} {'prefix hits':>12}" + (f" {'accepted':>9}" if args.draft_layers else "")
+          + (f" {'tier blocks':>12} {'tier hits':>10}" if tier else "")
           + "  answers equal to one-group's")
     for mode in modes:
         same = sum(a == b for a, b in zip(mode.answers, one.answers, strict=True))
         print(f"{mode.name:10} {mode.num_groups:6d} {mode.num_blocks:7d} {mode.rate:8.1f} "
               f"{mode.rate / one.rate:12.2f}x {mode.preemptions:12d} {mode.most_running:13d} {mode.hit_rate:11.0%}"
-              + (f" {mode.accepted:8.0%}" if args.draft_layers else "") + f"  {same}/{len(mode.answers)}")
+              + (f" {mode.accepted:8.0%}" if args.draft_layers else "")
+              + (f" {mode.num_tier_blocks:12d} {mode.tier_hit_rate:9.0%}" if tier else "")
+              + f"  {same}/{len(mode.answers)}")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,10 @@ of its own, on group 0's block ids: its layers read every key they attend to fro
 group's blocks, which a request holds from its first token (its windowed layers, a draft Gemma's say,
 read the window's keys there too). A windowed group's blocks leave their drafter pages unused.
 
+KV offloading's host tier keeps a block of any group in one of its slots (a page of each shared tensor;
+the scheduler keys a windowed group's blocks by (group, hash)), so the workers copy between the shared
+tensors and the tier's own, the same for every group.
+
 Where the groups would hold a max-length request in more memory than one group (groups_cost_more: every
 request within the window and a short last group, a drafter's pages beside every block, pipeline stages
 holding the two kinds of layers apart), the engine keeps one group.
@@ -122,7 +126,6 @@ def hybrid_kv_cache_grouping(model_config: ModelConfig, config: EngineConfig) ->
         return None, ""
     grouping = group_attention_layers(windows, stages)
     reason = ("--disable-hybrid-kv-cache-manager" if config.disable_hybrid_kv_cache_manager
-              else "KV offloading (its tier copies every layer's blocks alike)" if config.kv_offloading_size
               else "--kv-transfer-config (disaggregation moves every layer's blocks alike)"
               if config.kv_transfer_config is not None
               else "KV-shared layers (Gemma 3n's, Gemma 4's)"

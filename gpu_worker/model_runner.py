@@ -112,6 +112,9 @@ class ModelRunner:
         self.rope_short_offset: int | None = None
         self.rope_original_len: int | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # The caches a block id is a page of (each layer's, or under the KV cache groups their shared
+        # tensors, once each): what KV offloading copies.
+        self.block_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         # The recurrent mixers (Mamba, Mamba-2, Gated DeltaNet, short convolutions) and their states, a
         # row per held request (by its row of the block table), allocated beside the KV cache: the
         # conv and recurrent states' dtypes (None: the model's and fp32; --mamba-cache-dtype and
@@ -316,7 +319,7 @@ class ModelRunner:
         if "kv_cache" not in self.asleep:
             for layer in self.model.attention_layers():
                 layer.kv_cache = None
-            self.kv_caches = []
+            self.kv_caches = self.block_caches = []
             for mixer in self.mamba_mixers:
                 mixer.state = None
             self.mamba_states = []
@@ -390,26 +393,30 @@ class ModelRunner:
         if self.model is None:
             raise RuntimeError("load_model() must come before initialize_kv_cache()")
         layers = self.model.attention_layers()
+        grouping = self.kv_cache_grouping
         if num_offload_blocks is not None and num_offload_blocks != self.num_offload_blocks:
             self.num_offload_blocks = num_offload_blocks
-            # (Page-locked beside a CUDA cache: the device reads and writes it directly.)
-            self.offload_caches = allocate_layer_kv_caches(
-                layers, num_offload_blocks, block_size, self.kv_cache_dtype, torch.device("cpu"),
-                pin_memory=self.device.type == "cuda") if layers and num_offload_blocks else []
+            # (Page-locked beside a CUDA cache: the device reads and writes it directly. Under the KV cache
+            # groups a slot is a page of each shared tensor, any group's block.)
+            host, pinned = torch.device("cpu"), self.device.type == "cuda"
+            self.offload_caches = [] if not layers or not num_offload_blocks else allocate_layer_kv_caches(
+                layers, num_offload_blocks, block_size, self.kv_cache_dtype, host, pinned) if grouping is None \
+                else allocate_kv_cache(grouping.group_size, num_offload_blocks, block_size, layers[0].num_kv_heads,
+                                       layers[0].head_dim, self.kv_cache_dtype, host, pinned)
         # (An encoder attends within the pass: it has no layer to give a cache to, and the blocks
         # only count its tokens for the scheduler.)
-        grouping = self.kv_cache_grouping
         if grouping is not None:
             # (Group g's layer j keeps its cache in shared tensor j: a block id is a page of each.)
-            shared = allocate_kv_cache(grouping.group_size, num_blocks, block_size, layers[0].num_kv_heads,
-                                       layers[0].head_dim, self.kv_cache_dtype, self.device)
+            self.block_caches = allocate_kv_cache(grouping.group_size, num_blocks, block_size, layers[0].num_kv_heads,
+                                                  layers[0].head_dim, self.kv_cache_dtype, self.device)
             for group, indexes in enumerate(grouping.layers):
                 for j, i in enumerate(indexes):
-                    layers[i].kv_cache, layers[i].kv_group = shared[j], group
+                    layers[i].kv_cache, layers[i].kv_group = self.block_caches[j], group
             self.kv_caches = [layer.kv_cache for layer in layers]
         else:
             self.kv_caches = allocate_layer_kv_caches(layers, num_blocks, block_size, self.kv_cache_dtype,
                                                       self.device)
+            self.block_caches = self.kv_caches
             for layer, cache in zip(layers, self.kv_caches, strict=True):
                 layer.kv_cache = cache
         self._bind_mamba_states(self.max_num_seqs)
@@ -531,9 +538,11 @@ class ModelRunner:
         runners = [self] if self.drafter is None else [self, self.drafter.runner]
         for runner in runners:
             if stores:
-                copy_kv_blocks(runner.kv_caches, runner.offload_caches, [b for b, _ in stores], [s for _, s in stores])
+                copy_kv_blocks(runner.block_caches, runner.offload_caches, [b for b, _ in stores],
+                               [s for _, s in stores])
             if loads:
-                copy_kv_blocks(runner.offload_caches, runner.kv_caches, [s for s, _ in loads], [b for _, b in loads])
+                copy_kv_blocks(runner.offload_caches, runner.block_caches, [s for s, _ in loads],
+                               [b for _, b in loads])
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:

@@ -31,7 +31,7 @@ class BlockPool:
         self.cached_block_hash_to_block: dict[BlockHash, dict[int, KVCacheBlock]] = {}
         # Recorded while someone listens (a prefix-aware router): None when nobody does.
         self.kv_events: list[KVEvent] | None = None
-        # Told of each cached block handed out again, with its hash (KV offloading's tier saves it).
+        # Told of each cached block handed out again, with its key (KV offloading's tier saves it).
         self.on_evict: Callable[[int, BlockHash], None] | None = None
 
     def record_kv_events(self) -> None:
@@ -86,9 +86,11 @@ class BlockPool:
                 residency.evicted(block.block_id)
                 residency.allocated(block.block_id)
             if block.block_hash is not None:
-                block_hash = block.block_hash
-                # (KV offloading saves an evicted prefix block, unless another copy stays cached.)
-                if self._evict(block) and self.on_evict is not None:
+                block_hash, in_hit_window = block.block_hash, block.in_hit_window
+                # (KV offloading saves an evicted prefix block, unless another copy stays cached; of a
+                # windowed group's blocks, only those within a window a hit would need.)
+                if (self._evict(block) and self.on_evict is not None
+                        and (in_hit_window or isinstance(block_hash, bytes))):
                     self.on_evict(block.block_id, block_hash)
             block.ref_cnt = 1
             new_blocks.append(block)
@@ -97,14 +99,13 @@ class BlockPool:
     def _evict(self, block: KVCacheBlock) -> bool:
         """Take the block out of the prefix cache; whether it was its hash's last cached copy (then
         the hash leaves the cache, and KV events say so)."""
-        block_hash, block.block_hash = block.block_hash, None
+        block_hash, block.block_hash, block.in_hit_window = block.block_hash, None, False
         copies = self.cached_block_hash_to_block.get(block_hash)  # type: ignore[arg-type]
         if copies is None or copies.pop(block.block_id, None) is None or copies:
             return False
         del self.cached_block_hash_to_block[block_hash]  # type: ignore[arg-type]
-        if not isinstance(block_hash, bytes):  # (a windowed group's (group, hash): no event, nothing offloaded)
-            return False
-        if self.kv_events is not None:
+        # (A windowed group's (group, hash) key is no event: the events follow group 0's hashes alone.)
+        if self.kv_events is not None and isinstance(block_hash, bytes):
             self._event(BLOCKS_REMOVED, block_hash)
         return True
 
@@ -144,6 +145,15 @@ class BlockPool:
             if residency is not None:
                 residency.reused(block.block_id)
 
+    def refresh(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Move the free ones among ``blocks`` to the end of the eviction order, as if just freed (a
+        prefix hit used them without taking them)."""
+        queue = self.free_block_queue
+        for block in blocks:
+            if block.ref_cnt == 0:
+                queue.remove(block)
+                queue.append(block)
+
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each; blocks reaching zero join the free queue in this order
         (first freed, first evicted)."""
@@ -159,7 +169,7 @@ class BlockPool:
             return False
         for copies in self.cached_block_hash_to_block.values():
             for block in copies.values():
-                block.block_hash = None
+                block.block_hash, block.in_hit_window = None, False
         self.cached_block_hash_to_block.clear()
         if self.residency is not None:
             self.residency.clear()

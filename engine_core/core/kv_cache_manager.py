@@ -14,7 +14,8 @@ addresses a page of each of the workers' shared tensors (gpu_worker/kv_cache_gro
 windowed group's blocks cost as much as a full one's, and a long request holds the full group's
 blocks and a window's worth of each windowed group's. A windowed group's blocks are cached under
 (group, hash); a prefix hit needs the full group's blocks up to it and each windowed group's from the
-window of its first token computed.
+window of its first token computed. KV offloading's host tier keeps every group's evicted blocks under
+the same keys, and a hit it extends needs the same of them (``get_offloaded_blocks``).
 """
 
 from __future__ import annotations
@@ -59,6 +60,30 @@ class KVCacheBlocks:
         return bool(self.blocks)
 
 
+class OffloadedBlocks:
+    """What KV offloading's host tier holds of a request's prompt after its device hit (vLLM's external
+    tokens): the slots of group 0's next blocks, each further group's (position, slot) loads within the
+    window of the first token computed, the device hit with the further groups' blocks cut to that
+    window (``computed``), and the further groups' device-hit blocks the cut passes, with their keys
+    (``passed``)."""
+
+    __slots__ = ("computed", "group_slots", "passed", "slots")
+
+    def __init__(self, slots: list[int], computed: KVCacheBlocks,
+                 group_slots: tuple[list[tuple[int, int]], ...] = (),
+                 passed: list[tuple[KVCacheBlock, object]] | None = None) -> None:
+        self.slots = slots
+        self.computed = computed
+        self.group_slots = group_slots
+        self.passed = passed or []
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def __bool__(self) -> bool:
+        return bool(self.slots)
+
+
 # Stands in a request's block list for a block released behind its sliding window. It belongs to no
 # pool; its id (0) reaches the model runner's block table only where attention never reads.
 RELEASED_BLOCK = KVCacheBlock(0)
@@ -97,6 +122,20 @@ class _WindowedGroup:
                 return m
             m = missing
         return 0
+
+    def longest_tier_hit(self, tier: OffloadTier, block_hashes: list[bytes], floor: int, num_blocks: int,
+                         block_size: int) -> int:
+        """longest_hit past a device hit of ``floor`` blocks (whose window this group's device blocks
+        cover) up to ``num_blocks``: the most m that KV offloading's tier holds this group's blocks for,
+        from the window of position m * block_size (or ``floor``) to m."""
+        m = num_blocks
+        while m > floor:
+            first = max(floor, self.first_needed_block(m * block_size, block_size))
+            missing = next((j for j in range(m - 1, first - 1, -1) if self.key(block_hashes[j]) not in tier), None)
+            if missing is None:
+                return m
+            m = missing
+        return floor
 
 
 class KVCacheManager:
@@ -149,6 +188,8 @@ class KVCacheManager:
         # KV connector): the request's tokens queried, the tokens its blocks after the device hit hold.
         self.connector_prefix_cache_stats = PrefixCacheStats() if self.offload is not None and log_stats else None
         self._empty = KVCacheBlocks([])
+        # (A request's lookup found nothing in the offloading tier, or there is none.)
+        self.no_offloaded_blocks = OffloadedBlocks([], self._empty)
 
     @property
     def usage(self) -> float:
@@ -219,13 +260,42 @@ class KVCacheManager:
         if self.log_stats and self.enable_caching and not request.sampling_params.skip_reading_prefix_cache:
             self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens, request.num_preemptions > 0)
 
-    def get_offloaded_blocks(self, request: Request, num_local_blocks: int) -> list[int]:
-        """The offloading tier's slots holding the request's next full prompt blocks after the
-        ``num_local_blocks`` the device cache holds (after get_computed_blocks; [] without a tier)."""
-        if self.offload is None or request.sampling_params.skip_reading_prefix_cache:
-            return []
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size  # (the last token is computed)
-        return self.offload.lookup(request.block_hashes[num_local_blocks:max_hit_blocks])
+    def get_offloaded_blocks(self, request: Request, computed: KVCacheBlocks) -> OffloadedBlocks:
+        """What the offloading tier holds of the request's next full prompt blocks after the device hit
+        ``computed`` (get_computed_blocks'; nothing without a tier). Under the hybrid KV cache manager the
+        run is cut to where every windowed group's blocks of the window are in the tier too (or on the
+        device, before the device hit's end)."""
+        tier = self.offload
+        if tier is None or request.sampling_params.skip_reading_prefix_cache:
+            return self.no_offloaded_blocks
+        block_size, block_hashes = self.block_size, request.block_hashes
+        num_local = len(computed)
+        max_hit_blocks = (request.num_tokens - 1) // block_size  # (the last token is computed)
+        slots = tier.lookup(block_hashes[num_local:max_hit_blocks])
+        if not self.groups or not slots:
+            return OffloadedBlocks(slots, computed)
+        num_hit = num_local + len(slots)
+        while True:  # (as _group_hits: until no group shortens the hit)
+            shortest = num_hit
+            for group in self.groups:
+                shortest = group.longest_tier_hit(tier, block_hashes, num_local, shortest, block_size)
+            if shortest == num_hit:
+                break
+            num_hit = shortest
+        if num_hit == num_local:
+            return OffloadedBlocks([], computed)
+        # Each further group: its device blocks from the window of the first token computed (which the
+        # device hit's window starts before), placeholders before, and loads from the tier after them.
+        group_blocks, group_slots, passed = [], [], []
+        for group, hits in zip(self.groups, computed.group_blocks or ([],) * len(self.groups), strict=True):
+            first = group.first_needed_block(num_hit * block_size, block_size)
+            group_blocks.append([RELEASED_BLOCK] * first + hits[first:])
+            passed.extend((b, b.block_hash) for b in hits[:first] if b is not RELEASED_BLOCK)
+            start = max(first, num_local)
+            group_slots.append(list(zip(range(start, num_hit),
+                                        tier.lookup([group.key(h) for h in block_hashes[start:num_hit]]), strict=True)))
+        return OffloadedBlocks(slots[:num_hit - num_local], KVCacheBlocks(computed.blocks, tuple(group_blocks)),
+                               tuple(group_slots), passed)
 
     def record_offload_lookup(self, request: Request, num_hit_tokens: int) -> None:
         """A request admitted after looking its prompt up in the tier (once per admission, as vLLM
@@ -233,13 +303,28 @@ class KVCacheManager:
         if self.connector_prefix_cache_stats is not None:
             self.connector_prefix_cache_stats.record(request.num_tokens, num_hit_tokens, request.num_preemptions > 0)
 
-    def load_offloaded_blocks(self, request: Request, slots: list[int], first_block: int) -> None:
-        """After allocate_slots gave the request device blocks for them: ``slots`` are copied into its
-        blocks from ``first_block`` on before the pass."""
-        blocks = self.req_to_blocks[request.request_id][first_block:first_block + len(slots)]
-        assert self.offload is not None and len(blocks) == len(slots)
-        self.offload.plan_loads(slots, [b.block_id for b in blocks])
-        self.offload.touch(request.block_hashes[first_block:first_block + len(slots)])
+    def load_offloaded_blocks(self, request: Request, offloaded: OffloadedBlocks) -> None:
+        """After allocate_slots gave the request device blocks for them (with ``offloaded.computed`` as
+        its device hit): the tier's slots are copied into its blocks after that hit before the pass, each
+        further group's into its own blocks at their positions."""
+        tier, req_id = self.offload, request.request_id
+        first_block, slots = len(offloaded.computed), offloaded.slots
+        blocks = self.req_to_blocks[req_id][first_block:first_block + len(slots)]
+        assert tier is not None and len(blocks) == len(slots)
+        tier.plan_loads(slots, [b.block_id for b in blocks])
+        tier.touch(request.block_hashes[first_block:first_block + len(slots)])
+        for group, loads in zip(self.groups, offloaded.group_slots, strict=True):
+            group_list = group.req_to_blocks[req_id]
+            tier.plan_loads([slot for _, slot in loads], [group_list[position].block_id for position, _ in loads])
+            tier.touch([group.key(request.block_hashes[position]) for position, _ in loads])
+        # The windowed groups' device blocks of the device hit's window, which the longer hit passes: the end
+        # of a prefix other prompts share, as a hit that took them would have kept them (used recently, and
+        # saved to the tier when evicted).
+        # (Each still holding what it held at the lookup: the allocation may have handed one out since.)
+        passed = [block for block, key in offloaded.passed if block.block_hash == key]
+        for block in passed:
+            block.in_hit_window = True
+        self.block_pool.refresh(passed)
 
     def take_offload_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """This pass's copies for the workers: (device block -> slot stores, slot -> device block loads)."""
@@ -335,15 +420,20 @@ class KVCacheManager:
         if computed and self.sliding_window is not None and req_blocks is None:
             num_behind = min(max((num_computed_tokens - self.sliding_window + 1) // self.block_size, 0),
                              len(computed))
-        # (A windowed group's prefix-hit blocks behind its window are RELEASED_BLOCK already.)
+        # (A windowed group's prefix-hit blocks behind its window are RELEASED_BLOCK already. After a hit
+        # the offloading tier extends, its list may reach past group 0's hit: placeholders up to the window.)
         group_computed = (new_computed_blocks.group_blocks if new_computed_blocks is not None
                           and new_computed_blocks.group_blocks else ((),) * len(self.groups))
         pool = self.block_pool
         if num_new_blocks > 0 or computed:
+            # Each group's new blocks fill its list to group 0's positions.
+            num_positions = num_req_blocks + len(computed) + max(num_new_blocks, 0)
+            num_group_new = sum(num_positions - (len(hits) if req_blocks is None else num_req_blocks)
+                                for hits in group_computed)
             # Touching a free cached block takes it out of the free queue, so it costs capacity too.
             num_evictable = sum(1 for b in computed[num_behind:] if b.ref_cnt == 0) + sum(
                 1 for blocks in group_computed for b in blocks if b.ref_cnt == 0 and b is not RELEASED_BLOCK)
-            if max(num_new_blocks, 0) * (1 + len(self.groups)) + num_evictable > pool.free_block_queue.num_free_blocks:
+            if max(num_new_blocks, 0) + num_group_new + num_evictable > pool.free_block_queue.num_free_blocks:
                 return None
             if req_blocks is None:
                 req_blocks = self.req_to_blocks[req_id] = []
@@ -361,7 +451,7 @@ class KVCacheManager:
                            for group, hit in zip(self.groups, group_computed, strict=True)]
             new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
             req_blocks.extend(new_blocks)
-            group_new = tuple(self._extend_group(blocks, num_new_blocks, len(req_blocks)) for blocks in group_lists)
+            group_new = tuple(self._extend_group(blocks, len(req_blocks)) for blocks in group_lists)
         else:
             new_blocks, group_new = [], ()
         if self.enable_caching and req_blocks is not None and not delay_cache_blocks:
@@ -384,12 +474,12 @@ class KVCacheManager:
             blocks.extend(computed)
         return blocks
 
-    def _extend_group(self, blocks: list[KVCacheBlock], num_new_blocks: int, num_positions: int) -> list[KVCacheBlock]:
-        """``num_new_blocks`` new blocks at the end of a windowed group's list, which then has group 0's
-        ``num_positions``; returns the new ones."""
+    def _extend_group(self, blocks: list[KVCacheBlock], num_positions: int) -> list[KVCacheBlock]:
+        """New blocks at the end of a windowed group's list up to group 0's ``num_positions``; returns them."""
+        assert len(blocks) <= num_positions, "a KV cache group's blocks left group 0's positions"
+        num_new_blocks = num_positions - len(blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
         blocks.extend(new_blocks)
-        assert len(blocks) == num_positions, "a KV cache group's blocks left group 0's positions"
         return new_blocks
 
     def _release_blocks_behind_window(self, request: Request, req_blocks: list[KVCacheBlock]) -> None:
@@ -403,10 +493,29 @@ class KVCacheManager:
         """_release_blocks_behind_window for a windowed group of the hybrid KV cache manager."""
         if group.window is not None:
             req_id = request.request_id
+            blocks = group.req_to_blocks[req_id]
+            num_behind = group.window.first_key(request.num_computed_tokens) // self.block_size
+            if self.offload is not None:
+                self._mark_hit_windows(request, group, blocks, group.num_released_block.get(req_id, 0), num_behind)
             # (Earliest first: a windowed group's hit needs the blocks just before it, so the latest go last.)
-            self._release_behind(req_id, group.req_to_blocks[req_id],
-                                 group.window.first_key(request.num_computed_tokens) // self.block_size,
-                                 group.num_cached_block, group.num_released_block, latest_first=False)
+            self._release_behind(req_id, blocks, num_behind, group.num_cached_block, group.num_released_block,
+                                 latest_first=False)
+
+    def _mark_hit_windows(self, request: Request, group: _WindowedGroup, blocks: list[KVCacheBlock], start: int,
+                          end: int) -> None:
+        """Of a windowed group's cached blocks about to go behind the window (``blocks[start:end]``), flag for
+        KV offloading's tier those in the window of a hit a later prompt may have: the request's prompt again
+        (a hit up to its last full block before the last token), or another prompt sharing what the request
+        found cached at its admission. (The rest of a window-wide group's blocks are not saved: a hit ending
+        elsewhere is cut back to one of these windows.)"""
+        if end <= start:
+            return
+        block_size = self.block_size
+        for num_hit in {(request.num_prompt_tokens - 1) // block_size, max(request.num_cached_tokens, 0) // block_size}:
+            first = group.first_needed_block(num_hit * block_size, block_size)
+            for block in blocks[max(first, start):min(num_hit, end)]:
+                if block.block_hash is not None:
+                    block.in_hit_window = True
 
     def _release_behind(self, req_id: str, blocks: list[KVCacheBlock], num_behind: int, num_cached: dict[str, int],
                         num_released_block: dict[str, int], latest_first: bool = True) -> None:
@@ -470,6 +579,10 @@ class KVCacheManager:
             group.num_cached_block.pop(request.request_id, None)
             num_released = group.num_released_block.pop(request.request_id, 0)
             if group_blocks:
+                if self.offload is not None:  # (the window of its last token: where a continuation's hit ends)
+                    for block in group_blocks[num_released:]:
+                        if block.block_hash is not None:
+                            block.in_hit_window = True
                 self.block_pool.free_blocks(reversed(group_blocks[num_released:]))
 
     def get_block_ids(self, request_id: str) -> list[int]:

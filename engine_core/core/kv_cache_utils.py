@@ -102,13 +102,16 @@ def blocks_held_bound(num_tokens: int, windows: Sequence[AttentionWindow | None]
 
 
 class KVCacheBlock:
-    __slots__ = ("block_hash", "block_id", "next_free", "prev_free", "ref_cnt")
+    __slots__ = ("block_hash", "block_id", "in_hit_window", "next_free", "prev_free", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         # Set while the block is registered in the prefix cache.
         self.block_hash: BlockHash | None = None
+        # A windowed KV cache group's cached block within the window a later prompt's hit would need (KV
+        # offloading's tier saves such blocks alone of a windowed group's); cleared with its hash.
+        self.in_hit_window = False
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 

@@ -12,12 +12,17 @@ SchedulerOutput, ``kv_offload_stores`` (device block -> slot) and ``kv_offload_l
 device block), and the workers run them before the pass's forward, stores first. So a block
 evicted in a pass is saved before that pass overwrites it, and a slot a pass loads from is never
 reused by the same pass's stores (its loads pin it).
+
+Under the hybrid KV cache manager a windowed group's blocks are cached, evicted and kept here under
+(group, hash) keys, beside group 0's plain hashes: a slot holds any group's block (a block id is a page
+of each of the groups' shared tensors, whichever group holds it). KV cache events, and ``hashes()``,
+follow the plain hashes alone, as the pool's do.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 from engine_core.core.block_pool import TIER_REMOVED, TIER_STORED
@@ -37,12 +42,12 @@ class OffloadTier:
         if num_slots < 1:
             raise ValueError(f"the offloading tier needs at least one block, got {num_slots}")
         self.num_slots = num_slots
-        # Hash -> slot, least recently used first.
-        self._slot_of: OrderedDict[BlockHash, int] = OrderedDict()
+        # Key (a hash, or a windowed group's (group, hash)) -> slot, least recently used first.
+        self._slot_of: OrderedDict[Hashable, int] = OrderedDict()
         self._free_slots = list(range(num_slots - 1, -1, -1))
         # This pass: device blocks evicted with their hashes (saved when the pass's copies are taken),
         # and the loads planned, whose slots no store may take.
-        self._evicted: list[tuple[int, BlockHash]] = []
+        self._evicted: list[tuple[int, Hashable]] = []
         self._loads: list[tuple[int, int]] = []
         self._pinned: set[int] = set()
         self.stats = OffloadStats()
@@ -52,11 +57,14 @@ class OffloadTier:
     def __len__(self) -> int:
         return len(self._slot_of)
 
-    def note_evicted(self, block_id: int, block_hash: BlockHash) -> None:
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._slot_of
+
+    def note_evicted(self, block_id: int, block_hash: Hashable) -> None:
         """The block pool handed out a block that held ``block_hash``: save it before the pass writes it."""
         self._evicted.append((block_id, block_hash))
 
-    def lookup(self, block_hashes: Sequence[BlockHash]) -> list[int]:
+    def lookup(self, block_hashes: Sequence[Hashable]) -> list[int]:
         """The slots holding the longest run of ``block_hashes`` from its start. Not touched: a
         request the scheduler then turns away (no room, a partial-prefill cap) must not keep them
         warm; ``touch`` marks those a pass loads."""
@@ -69,7 +77,7 @@ class OffloadTier:
             slots.append(slot)
         return slots
 
-    def touch(self, block_hashes: Sequence[BlockHash]) -> None:
+    def touch(self, block_hashes: Sequence[Hashable]) -> None:
         """Mark these held hashes most recently used."""
         slot_of = self._slot_of
         for block_hash in block_hashes:
@@ -99,7 +107,7 @@ class OffloadTier:
             self._pinned.add(slot)
             slot_of[block_hash] = slot
             stores.append((block_id, slot))
-            if self.on_event is not None:
+            if self.on_event is not None and isinstance(block_hash, bytes):
                 self.on_event(TIER_STORED, block_hash)
         self.stats.stored_blocks += len(stores)
         loads = self._loads
@@ -112,14 +120,14 @@ class OffloadTier:
         for block_hash, slot in self._slot_of.items():
             if slot not in self._pinned:
                 del self._slot_of[block_hash]
-                if self.on_event is not None:
+                if self.on_event is not None and isinstance(block_hash, bytes):
                     self.on_event(TIER_REMOVED, block_hash)
                 return slot
         return None
 
     def hashes(self) -> list[BlockHash]:
-        """Every hash the tier holds (least recently used first)."""
-        return list(self._slot_of)
+        """Every plain hash the tier holds (least recently used first; no windowed group's key)."""
+        return [key for key in self._slot_of if isinstance(key, bytes)]
 
     def reset(self) -> None:
         """Forget every saved block (the prefix cache was reset: what they hold may be stale)."""

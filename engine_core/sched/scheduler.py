@@ -500,7 +500,7 @@ class Scheduler(SchedulerInterface):
                 step_skipped_waiting.prepend_request(request)
                 continue
 
-            offloaded: list[int] = []
+            offloaded = kv_cache_manager.no_offloaded_blocks
             looked_up = request.num_computed_tokens == 0
             if looked_up:
                 # A prefix hit reaches the scheduler as one smaller local num_computed_tokens. (Under
@@ -509,7 +509,7 @@ class Scheduler(SchedulerInterface):
                     kv_cache_manager.get_computed_blocks(request, record=partial is None)
                 # And the blocks after it that the offloading tier holds (vLLM's external tokens):
                 # computed once copied into new blocks, before the pass.
-                offloaded = kv_cache_manager.get_offloaded_blocks(request, len(new_computed_blocks))
+                offloaded = kv_cache_manager.get_offloaded_blocks(request, new_computed_blocks)
                 num_computed_tokens = num_new_local_computed_tokens + len(offloaded) * kv_cache_manager.block_size
             else:
                 # A continued streaming session keeps its blocks and its computed tokens.
@@ -523,7 +523,8 @@ class Scheduler(SchedulerInterface):
                 # computed it. Blocks now, no pass: the request waits for the data (WAITING_FOR_REMOTE_KVS).
                 if offloaded and request.num_prompt_tokens - 1 - num_computed_tokens >= kv_cache_manager.block_size:
                     # The host tier holds only part of the rest: the producer's blocks (all of it) are read.
-                    offloaded, num_computed_tokens, num_external_tokens = [], num_new_local_computed_tokens, 0
+                    offloaded, num_computed_tokens, num_external_tokens = \
+                        kv_cache_manager.no_offloaded_blocks, num_new_local_computed_tokens, 0
                 if offloaded:  # (the host tier holds the rest: read from there, not remotely)
                     self.connector.decline(request)
                 num_remote_tokens = 0 if offloaded else \
@@ -561,14 +562,17 @@ class Scheduler(SchedulerInterface):
                 if looked_up:
                     kv_cache_manager.record_lookup(request, num_new_local_computed_tokens)
 
+            # (With blocks from the tier, the device hit as they leave it: a hybrid model's windowed groups'
+            # blocks from the window of the first token computed.)
             new_blocks = kv_cache_manager.allocate_slots(
-                request, num_new_tokens + num_external_tokens, num_new_local_computed_tokens, new_computed_blocks,
+                request, num_new_tokens + num_external_tokens, num_new_local_computed_tokens,
+                offloaded.computed if offloaded else new_computed_blocks,
                 num_lookahead_tokens=self.num_lookahead_tokens)
             if new_blocks is None:
                 # The pool cannot take it: admission stops here (the request keeps its place).
                 break
             if offloaded:
-                kv_cache_manager.load_offloaded_blocks(request, offloaded, len(new_computed_blocks))
+                kv_cache_manager.load_offloaded_blocks(request, offloaded)
             if looked_up:  # (recurrent layers: their state at the hit's end is restored)
                 kv_cache_manager.plan_state_restore(request, num_new_local_computed_tokens)
 

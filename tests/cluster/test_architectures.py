@@ -120,6 +120,35 @@ def test_gemma4s_caches_of_two_geometries_go_to_the_host_tier_and_back(tmp_path)
     assert again[0].num_cached_tokens >= 32 and stats.kv_offload_loaded_blocks >= 8
 
 
+def test_the_hybrid_kv_cache_groups_go_to_the_host_tier_and_back(tmp_path):
+    """Cohere2 (three windowed layers of 8 keys, one full): under the hybrid KV cache manager each layer
+    keeps a KV cache group; a prompt whose blocks other prompts pushed out finds them in the host tier,
+    the full group's every block and each windowed group's blocks of its window (the token at 44 sees
+    keys 37..44: blocks 9 and 10), and the greedy tokens stay transformers'."""
+    from cluster import LLM
+
+    path = _model(tmp_path, "cohere2")
+    assert _num_windowed_groups(path) == 3
+    first = [(11 * i + 5) % 256 for i in range(45)]
+    others = [[(13 * i + j) % 256 for i in range(45)] for j in range(3)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    llm = LLM(model=str(path), dtype="float32", block_size=4, num_gpu_blocks=64, max_model_len=64,
+              kv_offloading_size=0.001)
+    try:
+        assert len(llm._engine.scheduler.kv_cache_manager.groups) == 3
+        before = llm.generate([first], params, use_tqdm=False)
+        llm.generate(others, params, use_tqdm=False)  # (their blocks push the first prompt's out)
+        loaded_before = llm.get_stats()[0].kv_offload_loaded_blocks
+        again = llm.generate([first], params, use_tqdm=False)
+        stats = llm.get_stats()[0]
+    finally:
+        llm.shutdown()
+    with torch.no_grad():
+        expected = hf_greedy(load_hf(path), first, 6)
+    assert again[0].outputs[0].token_ids == before[0].outputs[0].token_ids == expected
+    assert again[0].num_cached_tokens == 44 and stats.kv_offload_loaded_blocks - loaded_before == 11 + 3 * 2
+
+
 @pytest.mark.parametrize("kind", ["gemma3n", "gemma4", "deepseek_v32", "glm_moe_dsa"])
 def test_layers_reading_the_cache_their_own_way_verify_ngram_drafts_as_transformers_answers(tmp_path, kind):
     """Gemma 3n's and Gemma 4's KV-sharing layers attend over their sources' caches, and DeepSeek-V3.2's

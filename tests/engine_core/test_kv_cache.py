@@ -439,3 +439,161 @@ def test_a_hybrid_prefix_hit_takes_every_groups_hits_before_handing_out_new_bloc
     ids = [blk.block_id for blk in full + windowed if blk is not RELEASED_BLOCK]
     assert len(ids) == len(set(ids)) and all(blk.ref_cnt == 1 for blk in full + windowed if blk is not RELEASED_BLOCK)
     mgr.block_pool.check_integrity()
+
+
+def _push_out_to_the_tier(mgr: KVCacheManager, keep: list[KVCacheBlock]) -> None:
+    """Hand every free block out once (as other prompts would), ``keep`` held meanwhile: the cached ones
+    evicted go to KV offloading's tier, then all come back to the pool."""
+    pool = mgr.block_pool
+    pool.touch(keep)
+    taken = pool.get_new_blocks(pool.get_num_free_blocks())
+    stores, loads = mgr.take_offload_copies()
+    assert len(stores) == len(mgr.offload) and loads == []
+    pool.free_blocks(taken)
+    pool.free_blocks(keep)
+
+
+def _admit_with_the_tier(mgr: KVCacheManager, request: Request):
+    """What the scheduler does for a new request: the device hit, what the tier adds, slots, the loads."""
+    computed, num_local_tokens = mgr.get_computed_blocks(request)
+    offloaded = mgr.get_offloaded_blocks(request, computed)
+    # (The tier's tokens count as new ones for the slots: the prompt from the device hit on.)
+    assert mgr.allocate_slots(request, request.num_tokens - num_local_tokens, num_local_tokens,
+                              offloaded.computed if offloaded else computed) is not None
+    if offloaded:
+        mgr.load_offloaded_blocks(request, offloaded)
+    request.num_cached_tokens = num_local_tokens + len(offloaded) * mgr.block_size
+    return num_local_tokens, offloaded, mgr.take_offload_copies()[1]
+
+
+def _hybrid_with_a_tier_after(prompt: list[int], keep_positions: dict[int, list[int]]) -> KVCacheManager:
+    """A 25-token prompt computed (six full blocks a group, window 6), freed, then pushed out to the tier
+    but for each group's blocks at ``keep_positions[group]``."""
+    mgr = _hybrid(40, num_offload_blocks=40)
+    a = _req("a", prompt)
+    mgr.allocate_slots(a, len(prompt))
+    lists = [list(mgr.req_to_blocks["a"]), list(mgr.groups[0].req_to_blocks["a"])]
+    mgr.free(a)
+    _push_out_to_the_tier(mgr, [lists[g][p] for g, positions in keep_positions.items() for p in positions])
+    return mgr
+
+
+def test_the_offloading_tier_extends_a_hybrid_hit_with_each_groups_blocks_of_the_window():
+    """Everything pushed out to the tier: a repeat of the 25-token prompt loads group 0's six full blocks
+    and, the token at 24 seeing keys 19..24, the windowed group's blocks 4 and 5 alone; its blocks 0..3
+    are placeholders (never allocated, never cached as if loaded)."""
+    from engine_core.core.kv_cache_manager import RELEASED_BLOCK
+
+    prompt = list(range(25))
+    mgr = _hybrid_with_a_tier_after(prompt, {})
+    b = _req("b", prompt)
+    num_local, offloaded, loads = _admit_with_the_tier(mgr, b)
+    tier, windowed, hashes = mgr.offload, mgr.groups[0], b.block_hashes
+    assert num_local == 0 and len(offloaded) == 6
+    # (The tier holds both groups' six blocks; what it reports to routers is group 0's hashes alone.)
+    assert len(tier) == 12 and sorted(tier.hashes()) == sorted(hashes[:6])
+    group_keys = [windowed.key(h) for h in hashes[4:6]]
+    assert offloaded.group_slots == ([(4, tier.lookup(group_keys)[0]), (5, tier.lookup(group_keys)[1])],)
+    group_list = windowed.req_to_blocks["b"]
+    assert group_list[:4] == [RELEASED_BLOCK] * 4 and mgr.get_num_held_blocks("b") == 7 + 3
+    assert loads == [*zip(tier.lookup(hashes[:6]), mgr.get_block_ids("b")[:6], strict=True),
+                     *zip(tier.lookup(group_keys), [blk.block_id for blk in group_list[4:6]], strict=True)]
+    pool = mgr.block_pool
+    assert [pool.get_cached_block(windowed.key(h)) for h in hashes[:4]] == [None] * 4
+    assert [pool.get_cached_block(k) for k in group_keys] == group_list[4:6]
+    pool.check_integrity()
+    b.num_computed_tokens = 25  # (the token at 25 sees keys 20..25: block 4 goes back to the pool)
+    mgr.allocate_slots(b, 1)
+    assert windowed.num_released_block["b"] == 5
+    mgr.free(b)
+    assert pool.get_num_free_blocks() == 40
+    pool.check_integrity()
+
+
+def test_a_windowed_groups_block_missing_from_the_tier_cuts_the_hit_to_a_window_it_holds():
+    """The windowed group's block 5 stayed on the device (not in the tier): a hit of six blocks needs it,
+    so the hit is five blocks, whose window (keys 14..20) needs the group's blocks 3 and 4."""
+    prompt = list(range(25))
+    mgr = _hybrid_with_a_tier_after(prompt, {1: [5]})
+    b = _req("b", prompt)
+    num_local, offloaded, loads = _admit_with_the_tier(mgr, b)
+    assert num_local == 0 and len(offloaded) == 5
+    assert [position for position, _ in offloaded.group_slots[0]] == [3, 4] and len(loads) == 5 + 2
+    assert mgr.get_num_held_blocks("b") == 7 + 4  # (the group's blocks 3..6: two loaded, two computed)
+    mgr.block_pool.check_integrity()
+
+
+def test_the_tier_extends_a_device_hit_and_drops_the_windowed_device_blocks_its_window_passes():
+    """Blocks 0..2 of both groups stayed on the device: the device hit is three blocks (the windowed
+    group's blocks 1, 2 for its window), the tier's three more move the window past them: they are not
+    taken (but kept as just used), and the group loads its blocks 4 and 5."""
+    from engine_core.core.kv_cache_manager import RELEASED_BLOCK
+
+    prompt = list(range(25))
+    mgr = _hybrid_with_a_tier_after(prompt, {0: [0, 1, 2], 1: [0, 1, 2]})
+    b = _req("b", prompt)
+    computed, _ = mgr.get_computed_blocks(b, record=False)
+    device_window = computed.group_blocks[0][1:3]
+    num_local, offloaded, loads = _admit_with_the_tier(mgr, b)
+    assert num_local == 12 and len(offloaded) == 3
+    assert [position for position, _ in offloaded.group_slots[0]] == [4, 5] and len(loads) == 3 + 2
+    assert mgr.groups[0].req_to_blocks["b"][:4] == [RELEASED_BLOCK] * 4
+    assert [blk.ref_cnt for blk in device_window] == [0, 0] and mgr.get_num_held_blocks("b") == 7 + 3
+    # (The end of a prefix other prompts share: kept as recently used, and for the tier when evicted.)
+    assert list(mgr.block_pool.free_block_queue)[-2:] == device_window
+    assert all(blk.in_hit_window for blk in device_window)
+    mgr.block_pool.check_integrity()
+
+
+def test_the_tier_keeps_a_windowed_groups_blocks_of_the_windows_a_hit_would_need_alone():
+    """A 25-token prompt decoded to 41 tokens (window 6): the windowed group's blocks released behind the
+    window go to the tier only where a later hit needs them: blocks 4 and 5 (the window of the prompt's
+    last full block, for the prompt again) and the blocks it held at the end (8, 9: for a continuation);
+    blocks 0..3, 6 and 7 are not saved. Group 0's every block is."""
+    prompt = list(range(25))
+    mgr = _hybrid(60, num_offload_blocks=60)
+    a = _req("a", prompt)
+    mgr.allocate_slots(a, 25)
+    a.num_computed_tokens = 25
+    for token in range(16):  # (decoding: one token a pass, the windowed blocks behind the window released)
+        a.append_output_token_ids(100 + token)
+        mgr.allocate_slots(a, 1)
+        a.num_computed_tokens += 1
+    hashes = list(a.block_hashes)
+    assert len(hashes) == 10 and mgr.groups[0].num_released_block["a"] == 8  # (keys from 35 on at 40)
+    mgr.free(a)
+    _push_out_to_the_tier(mgr, [])
+    windowed = mgr.groups[0]
+    assert [h in mgr.offload for h in hashes] == [True] * 10
+    assert [windowed.key(h) in mgr.offload for h in hashes] == [False] * 4 + [True] * 2 + [False] * 2 + [True] * 2
+    # The prompt again: six blocks from the tier, the windowed group's 4 and 5 among them.
+    b = _req("b", prompt)
+    num_local, offloaded, loads = _admit_with_the_tier(mgr, b)
+    assert num_local == 0 and len(offloaded) == 6 and [p for p, _ in offloaded.group_slots[0]] == [4, 5]
+    mgr.block_pool.check_integrity()
+
+
+def test_the_tier_keeps_the_window_of_a_shared_prefix_a_prompt_found_cached():
+    """A second prompt sharing the first 16 tokens found them cached: as it moves on, the windowed group's
+    blocks 2 and 3 (the window of its hit) go behind its window and are flagged for the tier, so a third
+    prompt sharing those 16 tokens finds them in the tier once the device cache lost them."""
+    mgr = _hybrid(60, num_offload_blocks=60)
+    a = _req("a", list(range(40)))
+    mgr.allocate_slots(a, 40)
+    a.num_computed_tokens = 40
+    a.append_output_token_ids(7)
+    mgr.allocate_slots(a, 1)  # (its windowed blocks 0..7 behind the window: only 7, of its prompt's, flagged)
+    mgr.free(a)
+    shared = list(range(16))
+    b = _req("b", shared + list(range(200, 220)))
+    assert _admit_with_the_tier(mgr, b)[0] == 16
+    b.num_computed_tokens = 36
+    mgr.allocate_slots(b, 1)  # (the token at 36 sees keys 31..36: blocks 0..6 behind its window)
+    mgr.free(b)
+    _push_out_to_the_tier(mgr, [])
+    windowed = mgr.groups[0]
+    assert [windowed.key(h) in mgr.offload for h in b.block_hashes[:4]] == [False, False, True, True]
+    c = _req("c", shared + list(range(300, 310)))
+    num_local, offloaded, _ = _admit_with_the_tier(mgr, c)
+    assert num_local == 0 and len(offloaded) == 4 and [p for p, _ in offloaded.group_slots[0]] == [2, 3]
+    mgr.block_pool.check_integrity()

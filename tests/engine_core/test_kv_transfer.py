@@ -464,8 +464,9 @@ def test_a_host_tier_holding_part_of_the_prompt_gives_way_to_the_producers_block
     step(sched)
     (decode,) = create_requests(1, num_tokens=65, max_tokens=2, prefix=warm.prompt_token_ids[:16])
     manager = sched.kv_cache_manager
-    assert manager.get_computed_blocks(decode, record=False)[1] == 0
-    assert len(manager.get_offloaded_blocks(decode, 0)) == 1  # (the host tier holds its first block only)
+    computed, num_hit = manager.get_computed_blocks(decode, record=False)
+    assert num_hit == 0
+    assert len(manager.get_offloaded_blocks(decode, computed)) == 1  # (the host tier holds its first block only)
     decode.kv_transfer_params = {"do_remote_prefill": True, "remote_request_id": "p", "remote_nonce": "n",
                                  "remote_block_ids": [10, 11, 12, 13, 14]}
     sched.add_request(decode)
