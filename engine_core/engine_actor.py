@@ -987,7 +987,8 @@ class EngineCoreActor:
                     key, handle = lookup.result()
                     read = handle.read_kv_blocks.remote(
                         load.params.get("remote_request_id"), str(load.params.get("remote_nonce") or ""),
-                        load.remote_block_ids, load.first_block, load.digest, load.num_tokens).future()
+                        load.remote_block_ids, load.first_block, load.digest, load.num_tokens,
+                        load.remote_group_block_ids).future()
                 except Exception as e:
                     result.set_exception(e)
                     return
@@ -1019,13 +1020,14 @@ class EngineCoreActor:
         engine.on_kv_load_done = lambda: self.service.submit(_nothing)
 
     async def read_kv_blocks(self, request_id: str, nonce: str, block_ids: list[int], first_block: int, digest: str,
-                             num_tokens: int) -> list[Any]:
+                             num_tokens: int, group_block_ids: list[int] | None = None) -> list[Any]:
         """A decode engine reads the KV blocks a prefill finished here holds for it, between passes
         (``EngineCore.read_held_kv``)."""
         service = self.service
         return await asyncio.to_thread(
             service.call_in_loop,
-            lambda: service.engine.read_held_kv(request_id, nonce, block_ids, first_block, digest, num_tokens), 120.0)
+            lambda: service.engine.read_held_kv(request_id, nonce, block_ids, first_block, digest, num_tokens,
+                                                group_block_ids or []), 120.0)
 
     async def release_kv_blocks(self, request_id: str, nonce: str) -> None:
         """A reader of a prefill held here will not read it (its request computed the prompt itself,

@@ -261,25 +261,28 @@ class EngineCore:
             raise ValueError(f"engine {config.engine_index}: --kv-transfer-config: {problem}")
         self.kv_connector = KVConnector(transfer, config.block_size,
                                         {"remote_engine_id": config.engine_name, "remote_host": "", "remote_port": 0,
-                                         "tp_size": config.tensor_parallel_size})
+                                         "tp_size": config.tensor_parallel_size},
+                                        num_kv_cache_groups=1 + len(self.scheduler.kv_cache_manager.groups))
         self.scheduler.connector = self.kv_connector
 
     def read_held_kv(self, request_id: str, nonce: str, block_ids: list[int], first_block: int, digest: str,
-                     num_tokens: int) -> list[Any]:
+                     num_tokens: int, group_block_ids: list[int] = ()) -> list[Any]:
         """A decode engine reads the KV of a prefill finished here: ``block_ids``, its held blocks from
-        ``first_block`` on, for a reader with the prefill's nonce whose prompt's first ``num_tokens``
-        tokens have ``digest`` (they must be the prefill's); the blocks are let go after their last
-        reader. A read refused for its prompt or blocks releases nothing. Busy-loop thread."""
+        ``first_block`` on (then ``group_block_ids``, its windowed KV cache groups' blocks the reader
+        needs), for a reader with the prefill's nonce whose prompt's first ``num_tokens`` tokens have
+        ``digest`` (they must be the prefill's); the blocks are let go after their last reader. A read
+        refused for its prompt or blocks releases nothing. Busy-loop thread."""
         connector = self.kv_connector
         if connector is None or not connector.held_blocks(request_id, nonce, block_ids, first_block, digest,
-                                                          num_tokens):
+                                                          num_tokens, group_block_ids):
             raise KeyError(f"request {request_id!r} holds no KV blocks here (never a prefill for a remote decode, "
                            "already read, or held past abort_request_timeout)")
+        every_block = [*block_ids, *group_block_ids]
         try:
-            payload = self.executor.read_kv_blocks(block_ids)
+            payload = self.executor.read_kv_blocks(every_block)
         finally:
             self.release_held_kv(request_id, nonce)
-        self._totals["kv_sent_blocks"] += len(block_ids)
+        self._totals["kv_sent_blocks"] += len(every_block)
         return payload
 
     def release_held_kv(self, request_id: str, nonce: str) -> None:
@@ -390,12 +393,12 @@ class EngineCore:
                 continue  # (aborted meanwhile: its blocks went back to the pool)
             if not isinstance(result, BaseException):
                 try:
-                    self.executor.write_kv_blocks(load.block_ids, result)
+                    self.executor.write_kv_blocks([*load.block_ids, *load.group_block_ids], result)
                 except Exception as e:
                     result = e
             if not isinstance(result, BaseException):
                 scheduler.on_remote_kvs_ready(load.request_id)
-                self._totals["kv_received_blocks"] += len(load.block_ids)
+                self._totals["kv_received_blocks"] += len(load.block_ids) + len(load.group_block_ids)
                 continue
             self._totals["kv_load_failures"] += 1
             message = (f"could not read the prompt's KV from {load.params.get('remote_engine_id')!r}: "

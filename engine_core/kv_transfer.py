@@ -23,6 +23,11 @@ gather the blocks into host tensors that Ray carries between the nodes (``RayKVC
 that fails (the producer gone, its blocks expired) makes the decode engine compute the prompt itself
 (vLLM's ``kv_load_failure_policy`` "recompute"), or fail the request ("fail").
 
+Under the hybrid KV cache manager (a model mixing windowed and full-attention layers) the parameters
+also name each windowed KV cache group's blocks (``remote_group_block_ids``, null where released), and
+the decode engine reads, beside the full group's blocks, each windowed group's blocks of the window of
+the token it computes first; both engines must keep the same groups (else it computes the prompt).
+
 This module holds the configuration and the scheduler's half (what to load, what to hold); the
 engine core moves the data (engine_core.engine_core) and the workers read and write the blocks.
 """
@@ -35,7 +40,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from engine_core.request import RequestStatus
@@ -185,6 +190,12 @@ class PendingLoad:
     num_tokens: int = 0
     # Where block_ids start among the prompt's blocks (the producer hands out that slice of its own).
     first_block: int = 0
+    # Under the hybrid KV cache manager, the windowed groups' blocks of the window of the first token
+    # computed here (after the local hit), every group's one after another, and the producer's at the
+    # same positions (-1 where it holds none). A block id is a page of each shared KV tensor, whichever
+    # group holds it, so they travel as group 0's do.
+    group_block_ids: list[int] = field(default_factory=list)
+    remote_group_block_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -198,15 +209,19 @@ class _Held:
     # A random value the parameters carry: reads and releases must name it (a request id alone, which
     # a client sees, must not let it read or free another client's prefill).
     nonce: str = ""
+    # The windowed KV cache groups' blocks it holds (the hybrid KV cache manager's).
+    group_block_ids: frozenset[int] = frozenset()
 
 
 class KVConnector:
     """The scheduler's half of the connector: which blocks a consumer loads, which a producer holds."""
 
     def __init__(self, config: KVTransferConfig, block_size: int, engine_id: dict[str, Any],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, num_kv_cache_groups: int = 1) -> None:
         self.config = config
         self.block_size = block_size
+        # The hybrid KV cache manager's groups (1: none); both engines of a transfer must have as many.
+        self.num_kv_cache_groups = num_kv_cache_groups
         # What a consumer needs to find this engine (its actor name and namespace, tp_size, ...).
         self.engine_id = dict(engine_id)
         self._clock = clock
@@ -237,6 +252,13 @@ class KVConnector:
         if not isinstance(remote, list) or len(remote) < -(-(request.num_prompt_tokens - 1) // self.block_size):
             logger.warning("request %s: the producer's parameters name fewer blocks than its prompt has; "
                            "computing the prompt here", request.request_id)
+            self.decline(request)
+            return 0
+        groups = params.get("remote_group_block_ids") or []
+        if not isinstance(groups, list) or len(groups) + 1 != self.num_kv_cache_groups:
+            logger.warning("request %s: the producer keeps %d KV cache groups, this engine %d (the same model and "
+                           "--disable-hybrid-kv-cache-manager on both); computing the prompt here", request.request_id,
+                           len(groups) + 1 if isinstance(groups, list) else 0, self.num_kv_cache_groups)
             self.decline(request)
             return 0
         return count
@@ -283,8 +305,10 @@ class KVConnector:
         return declined
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_local_computed_tokens: int,
-                                 num_external_tokens: int) -> None:
-        """The request got its blocks: the ones after its local hit are read from the producer."""
+                                 num_external_tokens: int, group_blocks: list[tuple[int, list[int]]] = ()) -> None:
+        """The request got its blocks: the ones after its local hit are read from the producer, and of each
+        windowed KV cache group's (``group_blocks``: the first position the first token computed here
+        attends to, and the request's block ids from there) those after the local hit."""
         params = request.kv_transfer_params
         assert params is not None
         if isinstance(params.get("num_readers"), int) and params["num_readers"] > 1:
@@ -293,10 +317,17 @@ class KVConnector:
         num_tokens = num_local_computed_tokens + num_external_tokens
         end = -(-num_tokens // self.block_size)
         lora = request.lora_request
+        local_groups: list[int] = []
+        remote_groups: list[int] = []
+        for (start, ids), remote in zip(group_blocks, params.get("remote_group_block_ids") or [], strict=True):
+            positions = range(max(start, first), end)
+            local_groups += [ids[p - start] for p in positions]
+            # (A position the producer released reads as -1, which no held request has: the read fails.)
+            remote_groups += [int(remote[p]) if p < len(remote) and remote[p] is not None else -1 for p in positions]
         self._pending.append(PendingLoad(
             request.request_id, block_ids[first:end], [int(b) for b in params["remote_block_ids"][first:end]],
             dict(params), kv_digest(request.all_token_ids[:num_tokens], lora.lora_name if lora else None),
-            num_tokens, first))
+            num_tokens, first, local_groups, remote_groups))
         # Read once: a preemption later computes the prompt here (the producer has let the blocks go).
         request.kv_transfer_params = None
 
@@ -306,10 +337,12 @@ class KVConnector:
 
     # -- producer ---------------------------------------------------------------------------------
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> dict[str, Any] | None:
+    def request_finished(self, request: Request, block_ids: list[int],
+                         group_block_ids: list[list[int | None]] = ()) -> dict[str, Any] | None:
         """A request ends. A prefill for a remote decode that ran to its length limit keeps its blocks
-        (returns the parameters that name them: the caller must not free them); None otherwise. A
-        decode request that never read its producer's blocks tells the producer to free them."""
+        (returns the parameters that name them: the caller must not free them; under the hybrid KV
+        cache manager each windowed group's too, None where released); None otherwise. A decode
+        request that never read its producer's blocks tells the producer to free them."""
         params = request.kv_transfer_params
         if wants_remote_prefill(params):  # (a decode request that ends before it read: gone first)
             self.decline(request)
@@ -320,22 +353,25 @@ class KVConnector:
         assert params is not None
         readers = params.get("num_readers", 1)
         nonce = secrets.token_hex(8)
-        self._held[request.request_id] = _Held(request, list(block_ids),
-                                               self._clock() + self.config.abort_request_timeout_s,
-                                               readers if isinstance(readers, int) and readers >= 1 else 1, nonce)
+        self._held[request.request_id] = _Held(
+            request, list(block_ids), self._clock() + self.config.abort_request_timeout_s,
+            readers if isinstance(readers, int) and readers >= 1 else 1, nonce,
+            frozenset(b for ids in group_block_ids for b in ids if b is not None))
         held = self._held[request.request_id]
         return {**self.engine_id, "do_remote_prefill": True, "do_remote_decode": False,
                 "remote_request_id": request.request_id, "remote_block_ids": list(block_ids), "remote_nonce": nonce,
-                "num_readers": held.readers}
+                "num_readers": held.readers,
+                **({"remote_group_block_ids": [list(ids) for ids in group_block_ids]} if group_block_ids else {})}
 
     def is_held(self, request_id: str) -> bool:
         return request_id in self._held
 
     def held_blocks(self, request_id: str, nonce: str, block_ids: list[int], first_block: int, digest: str,
-                    num_tokens: int) -> bool:
-        """Whether ``block_ids`` are the held request's blocks from ``first_block`` on, for a reader
-        holding its nonce whose prompt's first ``num_tokens`` tokens have this ``digest`` (False: not
-        held here, or another nonce); ValueError when the reader's prompt or blocks are others."""
+                    num_tokens: int, group_block_ids: list[int] = ()) -> bool:
+        """Whether ``block_ids`` are the held request's blocks from ``first_block`` on (and
+        ``group_block_ids`` among its windowed groups' blocks), for a reader holding its nonce whose
+        prompt's first ``num_tokens`` tokens have this ``digest`` (False: not held here, or another
+        nonce); ValueError when the reader's prompt or blocks are others."""
         held = self._held.get(request_id)
         if held is None or held.nonce != nonce:
             return False
@@ -346,6 +382,8 @@ class KVConnector:
                              "the reader's")
         if first_block < 0 or held.block_ids[first_block:first_block + len(block_ids)] != block_ids:
             raise ValueError(f"the blocks asked for are not request {request_id!r}'s from its block {first_block} on")
+        if not held.group_block_ids.issuperset(group_block_ids):
+            raise ValueError(f"the windowed KV cache groups' blocks asked for are not all request {request_id!r}'s")
         return True
 
     def release(self, request_id: str, nonce: str) -> Request | None:

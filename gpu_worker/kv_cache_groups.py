@@ -18,7 +18,8 @@ read the window's keys there too). A windowed group's blocks leave their drafter
 
 KV offloading's host tier keeps a block of any group in one of its slots (a page of each shared tensor;
 the scheduler keys a windowed group's blocks by (group, hash)), so the workers copy between the shared
-tensors and the tier's own, the same for every group.
+tensors and the tier's own, the same for every group; a prefill/decode transfer reads and writes the
+shared tensors' pages of each block alike.
 
 Where the groups would hold a max-length request in more memory than one group (groups_cost_more: every
 request within the window and a short last group, a drafter's pages beside every block, pipeline stages
@@ -126,8 +127,6 @@ def hybrid_kv_cache_grouping(model_config: ModelConfig, config: EngineConfig) ->
         return None, ""
     grouping = group_attention_layers(windows, stages)
     reason = ("--disable-hybrid-kv-cache-manager" if config.disable_hybrid_kv_cache_manager
-              else "--kv-transfer-config (disaggregation moves every layer's blocks alike)"
-              if config.kv_transfer_config is not None
               else "KV-shared layers (Gemma 3n's, Gemma 4's)"
               if model_config.gemma3n is not None or model_config.gemma4 is not None
               else "layers whose KV caches differ in shape" if len(set(model_config.attention_layer_geometry)) > 1

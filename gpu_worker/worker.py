@@ -419,12 +419,13 @@ class Worker:
 
     def _transferred_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The caches a prompt's KV blocks travel in between engines (prefill/decode disaggregation):
-        the model's layers, then the MTP drafter's layer (of the same geometry; the engines refuse a
-        draft model, whose cache differs, with a transfer)."""
+        the model's layers (under the KV cache groups their shared tensors, a block id a page of each,
+        whichever group holds it), then the MTP drafter's layer (of the same geometry; the engines refuse
+        a draft model, whose cache differs, with a transfer)."""
         runner = self._runner()
         if self.mtp_config is None or runner.drafter is None:
-            return runner.kv_caches
-        return [*runner.kv_caches, *runner.drafter.runner.kv_caches]
+            return runner.block_caches
+        return [*runner.block_caches, *runner.drafter.runner.kv_caches]
 
     def read_kv_blocks(self, block_ids: list[int]) -> tuple[str, torch.Tensor]:
         """This rank's KV in ``block_ids``, for another engine to read (prefill/decode disaggregation):

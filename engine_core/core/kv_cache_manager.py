@@ -284,18 +284,53 @@ class KVCacheManager:
             num_hit = shortest
         if num_hit == num_local:
             return OffloadedBlocks([], computed)
-        # Each further group: its device blocks from the window of the first token computed (which the
-        # device hit's window starts before), placeholders before, and loads from the tier after them.
-        group_blocks, group_slots, passed = [], [], []
-        for group, hits in zip(self.groups, computed.group_blocks or ([],) * len(self.groups), strict=True):
-            first = group.first_needed_block(num_hit * block_size, block_size)
-            group_blocks.append([RELEASED_BLOCK] * first + hits[first:])
-            passed.extend((b, b.block_hash) for b in hits[:first] if b is not RELEASED_BLOCK)
-            start = max(first, num_local)
+        # Each further group loads from the tier its blocks of the window of the first token computed
+        # that the device hit does not hold.
+        cut, passed = self.cut_group_hits(computed, num_hit * block_size)
+        group_slots = []
+        for group in self.groups:
+            start = max(group.first_needed_block(num_hit * block_size, block_size), num_local)
             group_slots.append(list(zip(range(start, num_hit),
                                         tier.lookup([group.key(h) for h in block_hashes[start:num_hit]]), strict=True)))
-        return OffloadedBlocks(slots[:num_hit - num_local], KVCacheBlocks(computed.blocks, tuple(group_blocks)),
-                               tuple(group_slots), passed)
+        return OffloadedBlocks(slots[:num_hit - num_local], cut, tuple(group_slots), passed)
+
+    def cut_group_hits(self, computed: KVCacheBlocks, num_tokens: int
+                       ) -> tuple[KVCacheBlocks, list[tuple[KVCacheBlock, object]]]:
+        """A device hit ``computed`` that a longer one (through KV offloading's tier, or another engine's
+        blocks) takes on to ``num_tokens`` tokens: each further group's blocks from the window of the
+        token at ``num_tokens`` on (which the device hit's window starts before), placeholders before
+        (its list may then reach past group 0's hit); and the device blocks so passed, with their keys
+        (``keep_passed``)."""
+        group_blocks, passed = [], []
+        for group, hits in zip(self.groups, computed.group_blocks or ([],) * len(self.groups), strict=True):
+            first = group.first_needed_block(num_tokens, self.block_size)
+            group_blocks.append([RELEASED_BLOCK] * first + hits[first:])
+            passed.extend((b, b.block_hash) for b in hits[:first] if b is not RELEASED_BLOCK)
+        return KVCacheBlocks(computed.blocks, tuple(group_blocks)), passed
+
+    def keep_passed(self, passed: list[tuple[KVCacheBlock, object]]) -> None:
+        """After a request was admitted with a longer hit (``cut_group_hits``): the windowed groups' device
+        blocks of the device hit's window, which it passes, are the end of a prefix other prompts share,
+        kept as a hit that took them would have kept them (used recently, and saved to KV offloading's
+        tier when evicted). Each still holding what it held at the lookup: the admission's allocation may
+        have handed one out since."""
+        kept = [block for block, key in passed if block.block_hash == key]
+        for block in kept:
+            block.in_hit_window = True
+        self.block_pool.refresh(kept)
+
+    def get_group_block_ids_from(self, request_id: str, num_tokens: int) -> list[tuple[int, list[int]]]:
+        """Each further group's first block the token at ``num_tokens`` attends to, and the request's block
+        ids from there on (where another engine's blocks are read in)."""
+        block_size = self.block_size
+        starts = [group.first_needed_block(num_tokens, block_size) for group in self.groups]
+        return [(start, [b.block_id for b in group.req_to_blocks[request_id][start:]])
+                for start, group in zip(starts, self.groups, strict=True)]
+
+    def get_held_group_block_ids(self, request_id: str) -> list[list[int | None]]:
+        """Each further group's block ids of the request, None where released behind the window."""
+        return [[None if b is RELEASED_BLOCK else b.block_id for b in group.req_to_blocks.get(request_id, ())]
+                for group in self.groups]
 
     def record_offload_lookup(self, request: Request, num_hit_tokens: int) -> None:
         """A request admitted after looking its prompt up in the tier (once per admission, as vLLM
@@ -317,14 +352,7 @@ class KVCacheManager:
             group_list = group.req_to_blocks[req_id]
             tier.plan_loads([slot for _, slot in loads], [group_list[position].block_id for position, _ in loads])
             tier.touch([group.key(request.block_hashes[position]) for position, _ in loads])
-        # The windowed groups' device blocks of the device hit's window, which the longer hit passes: the end
-        # of a prefix other prompts share, as a hit that took them would have kept them (used recently, and
-        # saved to the tier when evicted).
-        # (Each still holding what it held at the lookup: the allocation may have handed one out since.)
-        passed = [block for block, key in offloaded.passed if block.block_hash == key]
-        for block in passed:
-            block.in_hit_window = True
-        self.block_pool.refresh(passed)
+        self.keep_passed(offloaded.passed)
 
     def take_offload_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """This pass's copies for the workers: (device block -> slot stores, slot -> device block loads)."""

@@ -613,16 +613,22 @@ class Scheduler(SchedulerInterface):
         enter the prefix cache once the data is there), and park it until then; False when the pool
         cannot take it (it keeps its place)."""
         kv_cache_manager = self.kv_cache_manager
+        num_tokens = num_local_computed_tokens + num_remote_tokens
+        passed: list = []
+        if kv_cache_manager.groups:  # (the windowed groups read only the window of the first token computed here)
+            new_computed_blocks, passed = kv_cache_manager.cut_group_hits(new_computed_blocks, num_tokens)
         if kv_cache_manager.allocate_slots(request, num_remote_tokens, num_local_computed_tokens, new_computed_blocks,
                                            delay_cache_blocks=True) is None:
             return False
+        kv_cache_manager.keep_passed(passed)
         request_queue.pop_request()
         if record_lookup:
             kv_cache_manager.record_lookup(request, num_local_computed_tokens)
         assert self.connector is not None
-        self.connector.update_state_after_alloc(request, kv_cache_manager.get_block_ids(request.request_id),
-                                                num_local_computed_tokens, num_remote_tokens)
-        request.num_computed_tokens = num_local_computed_tokens + num_remote_tokens
+        self.connector.update_state_after_alloc(
+            request, kv_cache_manager.get_block_ids(request.request_id), num_local_computed_tokens, num_remote_tokens,
+            kv_cache_manager.get_group_block_ids_from(request.request_id, num_tokens))
+        request.num_computed_tokens = num_tokens
         request.num_cached_tokens = request.num_computed_tokens
         request.num_external_computed_tokens = num_remote_tokens
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -995,7 +1001,8 @@ class Scheduler(SchedulerInterface):
         held = None
         if self.connector is not None and request.kv_transfer_params is not None:
             # A prefill for another engine keeps its blocks until that engine has read them.
-            held = self.connector.request_finished(request, self.kv_cache_manager.get_block_ids(request.request_id))
+            held = self.connector.request_finished(request, self.kv_cache_manager.get_block_ids(request.request_id),
+                                                   self.kv_cache_manager.get_held_group_block_ids(request.request_id))
         if held is None:
             self.kv_cache_manager.free(request)
         else:

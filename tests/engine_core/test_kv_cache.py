@@ -570,6 +570,7 @@ def test_the_tier_keeps_a_windowed_groups_blocks_of_the_windows_a_hit_would_need
     b = _req("b", prompt)
     num_local, offloaded, loads = _admit_with_the_tier(mgr, b)
     assert num_local == 0 and len(offloaded) == 6 and [p for p, _ in offloaded.group_slots[0]] == [4, 5]
+    assert len(loads) == 6 + 2
     mgr.block_pool.check_integrity()
 
 

@@ -47,18 +47,18 @@ def test_one_group_where_the_layers_do_not_mix_one_window_with_full_attention(wi
     assert group_attention_layers(windows) is None
 
 
-def test_the_hybrid_manager_is_off_where_asked_or_where_disaggregation_moves_every_layers_blocks(tmp_path):
+def test_the_hybrid_manager_is_off_where_asked(tmp_path):
     path = save_tiny_model(tmp_path, "gemma2", sliding_window=5)
     config = ModelConfig.from_pretrained(path)
     base = EngineConfig(model=str(path))
     grouping_on, reason = hybrid_kv_cache_grouping(config, base)
     assert grouping_on is not None and grouping_on.windows == (None, 5) and reason == ""
-    for change, why in [({"disable_hybrid_kv_cache_manager": True}, "--disable-hybrid-kv-cache-manager"),
-                        ({"kv_transfer_config": KVTransferConfig(kv_role="kv_both")}, "--kv-transfer-config")]:
-        grouping, reason = hybrid_kv_cache_grouping(config, dataclasses.replace(base, **change))
-        assert grouping is None and why in reason, change
-    # KV offloading keeps the groups: its tier keeps each group's blocks under the group's keys.
-    assert hybrid_kv_cache_grouping(config, dataclasses.replace(base, kv_offloading_size=1.0)) == (grouping_on, "")
+    grouping, reason = hybrid_kv_cache_grouping(config, dataclasses.replace(base, disable_hybrid_kv_cache_manager=True))
+    assert grouping is None and "--disable-hybrid-kv-cache-manager" in reason
+    # KV offloading and disaggregation keep the groups: the tier keeps each group's blocks under the group's
+    # keys, a transfer carries each group's blocks of the window.
+    for change in ({"kv_offloading_size": 1.0}, {"kv_transfer_config": KVTransferConfig(kv_role="kv_both")}):
+        assert hybrid_kv_cache_grouping(config, dataclasses.replace(base, **change)) == (grouping_on, ""), change
     # Drafters keep the groups: n-gram drafts keep no KV cache, a draft model's or an MTP layer's sits on
     # group 0's blocks.
     for spec in (SpeculativeConfig(method="ngram", num_speculative_tokens=2, prompt_lookup_max=2, prompt_lookup_min=1),
