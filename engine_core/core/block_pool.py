@@ -99,9 +99,14 @@ class BlockPool:
     def _evict(self, block: KVCacheBlock) -> bool:
         """Take the block out of the prefix cache; whether it was its hash's last cached copy (then
         the hash leaves the cache, and KV events say so)."""
-        block_hash, block.block_hash, block.in_hit_window = block.block_hash, None, False
+        block_hash, block.block_hash = block.block_hash, None
+        in_hit_window, block.in_hit_window = block.in_hit_window, False
         copies = self.cached_block_hash_to_block.get(block_hash)  # type: ignore[arg-type]
-        if copies is None or copies.pop(block.block_id, None) is None or copies:
+        if copies is None or copies.pop(block.block_id, None) is None:
+            return False
+        if copies:
+            if in_hit_window:  # (the copy left keeps its worth for KV offloading's tier)
+                next(iter(copies.values())).in_hit_window = True
             return False
         del self.cached_block_hash_to_block[block_hash]  # type: ignore[arg-type]
         # (A windowed group's (group, hash) key is no event: the events follow group 0's hashes alone.)

@@ -20,6 +20,8 @@ the same keys, and a hit it extends needs the same of them (``get_offloaded_bloc
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from engine_core.core.block_pool import BlockPool
 from engine_core.core.block_residency import BlockResidency
 from engine_core.core.kv_cache_utils import AttentionWindow, KVCacheBlock, extend_block_hashes
@@ -61,27 +63,35 @@ class KVCacheBlocks:
 
 
 class OffloadedBlocks:
-    """What KV offloading's host tier holds of a request's prompt after its device hit (vLLM's external
-    tokens): the slots of group 0's next blocks, each further group's (position, slot) loads within the
-    window of the first token computed, the device hit with the further groups' blocks cut to that
-    window (``computed``), and the further groups' device-hit blocks the cut passes, with their keys
-    (``passed``)."""
+    """What KV offloading's host tier adds to a request's device hit (vLLM's external tokens):
+    ``num_blocks`` more prompt blocks, the tier's copies to load into them (``loads``: group, position,
+    slot; group 0 the full-attention group), and the device hit as allocate_slots then takes it
+    (``computed``). Without KV cache groups the blocks after the device hit are all the tier's, each a
+    new block. Under the hybrid KV cache manager the device hit may stop short of blocks the device
+    still holds (a windowed group's block of the window missing): ``computed`` then runs on to the longer
+    hit, each position a device block or None (a new block the tier's copy is loaded into), each
+    windowed group's from the window of the first token computed (placeholders before); ``passed`` are
+    the windowed groups' device-hit blocks the longer window leaves behind, with their keys."""
 
-    __slots__ = ("computed", "group_slots", "passed", "slots")
+    __slots__ = ("computed", "loads", "num_blocks", "passed")
 
-    def __init__(self, slots: list[int], computed: KVCacheBlocks,
-                 group_slots: tuple[list[tuple[int, int]], ...] = (),
+    def __init__(self, num_blocks: int, computed: KVCacheBlocks, loads: list[tuple[int, int, int]] | None = None,
                  passed: list[tuple[KVCacheBlock, object]] | None = None) -> None:
-        self.slots = slots
+        self.num_blocks = num_blocks
         self.computed = computed
-        self.group_slots = group_slots
+        self.loads = loads or []
         self.passed = passed or []
 
+    @property
+    def num_loaded_blocks(self) -> int:
+        """Group 0's blocks read from the tier (the prompt positions it brings)."""
+        return sum(1 for group, _, _ in self.loads if group == 0)
+
     def __len__(self) -> int:
-        return len(self.slots)
+        return self.num_blocks
 
     def __bool__(self) -> bool:
-        return bool(self.slots)
+        return self.num_blocks > 0
 
 
 # Stands in a request's block list for a block released behind its sliding window. It belongs to no
@@ -123,19 +133,24 @@ class _WindowedGroup:
             m = missing
         return 0
 
-    def longest_tier_hit(self, tier: OffloadTier, block_hashes: list[bytes], floor: int, num_blocks: int,
-                         block_size: int) -> int:
+    def longest_tier_hit(self, holds: Callable[[object], bool], block_hashes: list[bytes], floor: int,
+                         num_blocks: int, block_size: int) -> int:
         """longest_hit past a device hit of ``floor`` blocks (whose window this group's device blocks
-        cover) up to ``num_blocks``: the most m that KV offloading's tier holds this group's blocks for,
-        from the window of position m * block_size (or ``floor``) to m."""
+        cover) up to ``num_blocks``: the most m such that ``holds`` (the device cache or KV offloading's
+        tier) has this group's blocks from the window of position m * block_size (or ``floor``) to m."""
         m = num_blocks
         while m > floor:
             first = max(floor, self.first_needed_block(m * block_size, block_size))
-            missing = next((j for j in range(m - 1, first - 1, -1) if self.key(block_hashes[j]) not in tier), None)
+            missing = next((j for j in range(m - 1, first - 1, -1) if not holds(self.key(block_hashes[j]))), None)
             if missing is None:
                 return m
             m = missing
         return floor
+
+
+def _first_hole(blocks: list[KVCacheBlock | None] | tuple[()]) -> int:
+    """Where a prefix hit's blocks first hold None (a new block for a tier's copy), else their count."""
+    return next((i for i, b in enumerate(blocks) if b is None), len(blocks))
 
 
 class KVCacheManager:
@@ -188,8 +203,11 @@ class KVCacheManager:
         # KV connector): the request's tokens queried, the tokens its blocks after the device hit hold.
         self.connector_prefix_cache_stats = PrefixCacheStats() if self.offload is not None and log_stats else None
         self._empty = KVCacheBlocks([])
+        # Under the KV cache groups beside KV offloading: how many blocks each request's prefix hit at its
+        # (latest) admission covered.
+        self._hit_blocks: dict[str, int] = {}
         # (A request's lookup found nothing in the offloading tier, or there is none.)
-        self.no_offloaded_blocks = OffloadedBlocks([], self._empty)
+        self.no_offloaded_blocks = OffloadedBlocks(0, self._empty)
 
     @property
     def usage(self) -> float:
@@ -261,38 +279,59 @@ class KVCacheManager:
             self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens, request.num_preemptions > 0)
 
     def get_offloaded_blocks(self, request: Request, computed: KVCacheBlocks) -> OffloadedBlocks:
-        """What the offloading tier holds of the request's next full prompt blocks after the device hit
-        ``computed`` (get_computed_blocks'; nothing without a tier). Under the hybrid KV cache manager the
-        run is cut to where every windowed group's blocks of the window are in the tier too (or on the
-        device, before the device hit's end)."""
+        """What the offloading tier adds to the request's device hit ``computed`` (get_computed_blocks';
+        nothing without a tier): the prompt's next full blocks it holds. Under the hybrid KV cache manager
+        each position of the longer hit is the device's block where it still holds it, else the tier's
+        copy, and the hit is cut to where every windowed group's blocks of its window are there too."""
         tier = self.offload
         if tier is None or request.sampling_params.skip_reading_prefix_cache:
             return self.no_offloaded_blocks
         block_size, block_hashes = self.block_size, request.block_hashes
         num_local = len(computed)
         max_hit_blocks = (request.num_tokens - 1) // block_size  # (the last token is computed)
-        slots = tier.lookup(block_hashes[num_local:max_hit_blocks])
-        if not self.groups or not slots:
-            return OffloadedBlocks(slots, computed)
-        num_hit = num_local + len(slots)
-        while True:  # (as _group_hits: until no group shortens the hit)
+        if not self.groups:
+            slots = tier.lookup(block_hashes[num_local:max_hit_blocks])
+            return OffloadedBlocks(len(slots), computed,
+                                   [(0, p, slot) for p, slot in enumerate(slots, start=num_local)])
+        get_cached = self.block_pool.get_cached_block
+
+        def holds(key: object) -> bool:
+            return key in tier or get_cached(key) is not None  # type: ignore[arg-type]
+
+        num_hit = num_local
+        while num_hit < max_hit_blocks and holds(block_hashes[num_hit]):
+            num_hit += 1
+        while num_hit > num_local:  # (as _group_hits: until no group shortens the hit)
             shortest = num_hit
             for group in self.groups:
-                shortest = group.longest_tier_hit(tier, block_hashes, num_local, shortest, block_size)
+                shortest = group.longest_tier_hit(holds, block_hashes, num_local, shortest, block_size)
             if shortest == num_hit:
                 break
             num_hit = shortest
         if num_hit == num_local:
-            return OffloadedBlocks([], computed)
-        # Each further group loads from the tier its blocks of the window of the first token computed
-        # that the device hit does not hold.
+            return self.no_offloaded_blocks
         cut, passed = self.cut_group_hits(computed, num_hit * block_size)
-        group_slots = []
-        for group in self.groups:
-            start = max(group.first_needed_block(num_hit * block_size, block_size), num_local)
-            group_slots.append(list(zip(range(start, num_hit),
-                                        tier.lookup([group.key(h) for h in block_hashes[start:num_hit]]), strict=True)))
-        return OffloadedBlocks(slots[:num_hit - num_local], cut, tuple(group_slots), passed)
+        loads: list[tuple[int, int, int]] = []
+        blocks = self._device_or_tier(0, lambda h: h, block_hashes, num_local, num_hit, loads)
+        group_blocks = [hits + self._device_or_tier(g, group.key, block_hashes, len(hits), num_hit, loads)
+                        for g, (group, hits) in enumerate(zip(self.groups, cut.group_blocks, strict=True), start=1)]
+        return OffloadedBlocks(num_hit - num_local, KVCacheBlocks(cut.blocks + blocks, tuple(group_blocks)), loads,
+                               passed)
+
+    def _device_or_tier(self, group: int, key: Callable[[bytes], object], block_hashes: list[bytes], start: int,
+                        end: int, loads: list[tuple[int, int, int]]) -> list[KVCacheBlock | None]:
+        """A group's blocks at positions ``start`` to ``end`` of a hit the tier extends: the device's cached
+        block, else None, its tier copy added to ``loads``."""
+        tier = self.offload
+        assert tier is not None
+        blocks: list[KVCacheBlock | None] = []
+        for position in range(start, end):
+            block = self.block_pool.get_cached_block(key(block_hashes[position]))  # type: ignore[arg-type]
+            if block is None:
+                (slot,) = tier.lookup([key(block_hashes[position])])
+                loads.append((group, position, slot))
+            blocks.append(block)
+        return blocks
 
     def cut_group_hits(self, computed: KVCacheBlocks, num_tokens: int
                        ) -> tuple[KVCacheBlocks, list[tuple[KVCacheBlock, object]]]:
@@ -340,18 +379,14 @@ class KVCacheManager:
 
     def load_offloaded_blocks(self, request: Request, offloaded: OffloadedBlocks) -> None:
         """After allocate_slots gave the request device blocks for them (with ``offloaded.computed`` as
-        its device hit): the tier's slots are copied into its blocks after that hit before the pass, each
-        further group's into its own blocks at their positions."""
-        tier, req_id = self.offload, request.request_id
-        first_block, slots = len(offloaded.computed), offloaded.slots
-        blocks = self.req_to_blocks[req_id][first_block:first_block + len(slots)]
-        assert tier is not None and len(blocks) == len(slots)
-        tier.plan_loads(slots, [b.block_id for b in blocks])
-        tier.touch(request.block_hashes[first_block:first_block + len(slots)])
-        for group, loads in zip(self.groups, offloaded.group_slots, strict=True):
-            group_list = group.req_to_blocks[req_id]
-            tier.plan_loads([slot for _, slot in loads], [group_list[position].block_id for position, _ in loads])
-            tier.touch([group.key(request.block_hashes[position]) for position, _ in loads])
+        its device hit): the tier's copies are loaded into its blocks at their positions before the pass."""
+        tier, req_id, block_hashes = self.offload, request.request_id, request.block_hashes
+        assert tier is not None
+        lists = [self.req_to_blocks[req_id], *(group.req_to_blocks[req_id] for group in self.groups)]
+        keys: list[Callable[[bytes], object]] = [lambda h: h, *(group.key for group in self.groups)]
+        tier.plan_loads([slot for _, _, slot in offloaded.loads],
+                        [lists[group][position].block_id for group, position, _ in offloaded.loads])
+        tier.touch([keys[group](block_hashes[position]) for group, position, _ in offloaded.loads])
         self.keep_passed(offloaded.passed)
 
     def take_offload_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -458,25 +493,36 @@ class KVCacheManager:
             num_positions = num_req_blocks + len(computed) + max(num_new_blocks, 0)
             num_group_new = sum(num_positions - (len(hits) if req_blocks is None else num_req_blocks)
                                 for hits in group_computed)
-            # Touching a free cached block takes it out of the free queue, so it costs capacity too.
-            num_evictable = sum(1 for b in computed[num_behind:] if b.ref_cnt == 0) + sum(
-                1 for blocks in group_computed for b in blocks if b.ref_cnt == 0 and b is not RELEASED_BLOCK)
-            if max(num_new_blocks, 0) + num_group_new + num_evictable > pool.free_block_queue.num_free_blocks:
+            # Touching a free cached block takes it out of the free queue, so it costs capacity too. (A hit
+            # KV offloading's tier extends may hold None: a new block its copy is loaded into.)
+            num_evictable = sum(1 for b in computed[num_behind:] if b is not None and b.ref_cnt == 0) + sum(
+                1 for blocks in group_computed for b in blocks
+                if b is not None and b.ref_cnt == 0 and b is not RELEASED_BLOCK)
+            num_holes = sum(1 for b in computed if b is None) + sum(1 for bs in group_computed for b in bs if b is None)
+            if (max(num_new_blocks, 0) + num_group_new + num_holes + num_evictable
+                    > pool.free_block_queue.num_free_blocks):
                 return None
             if req_blocks is None:
                 req_blocks = self.req_to_blocks[req_id] = []
-                # Prefix-hit blocks are already in the cache map.
-                self.num_cached_block[req_id] = len(computed)
+                # Prefix-hit blocks are already in the cache map (up to the first a tier's copy comes into).
+                self.num_cached_block[req_id] = _first_hole(computed)
+                if self.offload is not None and self.groups:  # (where its prefix hit ends: _mark_hit_windows)
+                    self._hit_blocks[req_id] = len(computed)
             if computed:
                 if num_behind:
                     self.num_released_block[req_id] = num_behind
                     req_blocks.extend([RELEASED_BLOCK] * num_behind)
                     computed = computed[num_behind:]
-                pool.touch(computed)
+                pool.touch([b for b in computed if b is not None] if num_holes else computed)
                 req_blocks.extend(computed)
             # (Every group's hits are taken before any new block: a free hit block must not be handed out.)
             group_lists = [self._take_group_hits(request, group, hit)
                            for group, hit in zip(self.groups, group_computed, strict=True)]
+            if num_holes:
+                for blocks in (req_blocks, *group_lists):
+                    holes = [i for i, b in enumerate(blocks) if b is None]
+                    for i, block in zip(holes, pool.get_new_blocks(len(holes)), strict=True):
+                        blocks[i] = block
             new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
             req_blocks.extend(new_blocks)
             group_new = tuple(self._extend_group(blocks, len(req_blocks)) for blocks in group_lists)
@@ -494,11 +540,11 @@ class KVCacheManager:
         blocks = group.req_to_blocks.get(req_id)
         if blocks is None:
             blocks = group.req_to_blocks[req_id] = []
-            group.num_cached_block[req_id] = len(computed)
+            group.num_cached_block[req_id] = _first_hole(computed)
             num_released = sum(1 for b in computed if b is RELEASED_BLOCK)
             if num_released:
                 group.num_released_block[req_id] = num_released
-            self.block_pool.touch(computed[num_released:])
+            self.block_pool.touch([b for b in computed[num_released:] if b is not None])
             blocks.extend(computed)
         return blocks
 
@@ -534,12 +580,12 @@ class KVCacheManager:
         """Of a windowed group's cached blocks about to go behind the window (``blocks[start:end]``), flag for
         KV offloading's tier those in the window of a hit a later prompt may have: the request's prompt again
         (a hit up to its last full block before the last token), or another prompt sharing what the request
-        found cached at its admission. (The rest of a window-wide group's blocks are not saved: a hit ending
-        elsewhere is cut back to one of these windows.)"""
+        found cached at its latest admission. (The rest of a windowed group's blocks are not saved: a hit
+        ending elsewhere is cut back to one of these windows.)"""
         if end <= start:
             return
         block_size = self.block_size
-        for num_hit in {(request.num_prompt_tokens - 1) // block_size, max(request.num_cached_tokens, 0) // block_size}:
+        for num_hit in {(request.num_prompt_tokens - 1) // block_size, self._hit_blocks.get(request.request_id, 0)}:
             first = group.first_needed_block(num_hit * block_size, block_size)
             for block in blocks[max(first, start):min(num_hit, end)]:
                 if block.block_hash is not None:
@@ -599,6 +645,7 @@ class KVCacheManager:
         self.num_cached_block.pop(request.request_id, None)
         self._own_state.pop(request.request_id, None)
         self.state_junctions.pop(request.request_id, None)
+        self._hit_blocks.pop(request.request_id, None)
         num_released = self.num_released_block.pop(request.request_id, 0)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks[num_released:]))

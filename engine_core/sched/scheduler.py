@@ -506,15 +506,20 @@ class Scheduler(SchedulerInterface):
                 # A prefix hit reaches the scheduler as one smaller local num_computed_tokens. (Under
                 # the partial-prefill caps the lookup counts once the request passes them.)
                 new_computed_blocks, num_new_local_computed_tokens = \
-                    kv_cache_manager.get_computed_blocks(request, record=partial is None)
+                    kv_cache_manager.get_computed_blocks(request, record=False)
                 # And the blocks after it that the offloading tier holds (vLLM's external tokens):
                 # computed once copied into new blocks, before the pass.
                 offloaded = kv_cache_manager.get_offloaded_blocks(request, new_computed_blocks)
                 num_computed_tokens = num_new_local_computed_tokens + len(offloaded) * kv_cache_manager.block_size
+                # (The prefix cache's hit: under the KV cache groups the tier's longer hit may take device
+                # blocks past where the device's own stopped.)
+                num_device_hit_tokens = num_computed_tokens - offloaded.num_loaded_blocks * kv_cache_manager.block_size
+                if partial is None:
+                    kv_cache_manager.record_lookup(request, num_device_hit_tokens)
             else:
                 # A continued streaming session keeps its blocks and its computed tokens.
                 new_computed_blocks = kv_cache_manager.empty_kv_cache_blocks()
-                num_new_local_computed_tokens = 0
+                num_new_local_computed_tokens = num_device_hit_tokens = 0
                 num_computed_tokens = request.num_computed_tokens
             num_external_tokens = num_computed_tokens - num_new_local_computed_tokens if offloaded else 0
 
@@ -560,7 +565,7 @@ class Scheduler(SchedulerInterface):
                     step_skipped_waiting.prepend_request(request)
                     continue
                 if looked_up:
-                    kv_cache_manager.record_lookup(request, num_new_local_computed_tokens)
+                    kv_cache_manager.record_lookup(request, num_device_hit_tokens)
 
             # (With blocks from the tier, the device hit as they leave it: a hybrid model's windowed groups'
             # blocks from the window of the first token computed.)
@@ -594,11 +599,14 @@ class Scheduler(SchedulerInterface):
             request.num_computed_tokens = num_computed_tokens
             if lora is not None:
                 scheduled_loras.add(lora.lora_int_id)
+            # (The tokens the tier's copies bring: under the KV cache groups a longer hit may also take
+            # device blocks past where the device's own hit stopped, counted as the prefix cache's.)
+            num_tier_tokens = offloaded.num_loaded_blocks * kv_cache_manager.block_size if offloaded else 0
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed_tokens
-                request.num_external_computed_tokens = num_external_tokens
+                request.num_external_computed_tokens = num_tier_tokens
             if looked_up:
-                kv_cache_manager.record_offload_lookup(request, num_external_tokens)
+                kv_cache_manager.record_offload_lookup(request, num_tier_tokens)
             if self.log_stats:
                 request.record_event(EngineCoreEventType.SCHEDULED, scheduled_timestamp)
 

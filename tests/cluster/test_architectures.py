@@ -13,7 +13,7 @@ import torch
 
 from cluster import SamplingParams
 from tests.cluster.test_spec_decode import NGRAM, run
-from tests.gpu_worker.utils import hf_greedy, load_hf, save_tiny_model
+from tests.gpu_worker.utils import HYBRID_GROUPS, hf_greedy, load_hf, save_tiny_model
 from tests.tiny_model import build_tokenizer
 
 KINDS = ["llama", "qwen2", "qwen3", "phi3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "gemma", "gemma3",
@@ -120,22 +120,28 @@ def test_gemma4s_caches_of_two_geometries_go_to_the_host_tier_and_back(tmp_path)
     assert again[0].num_cached_tokens >= 32 and stats.kv_offload_loaded_blocks >= 8
 
 
-def test_the_hybrid_kv_cache_groups_go_to_the_host_tier_and_back(tmp_path):
-    """Cohere2 (three windowed layers of 8 keys, one full): under the hybrid KV cache manager each layer
-    keeps a KV cache group; a prompt whose blocks other prompts pushed out finds them in the host tier,
-    the full group's every block and each windowed group's blocks of its window (the token at 44 sees
-    keys 37..44: blocks 9 and 10), and the greedy tokens stay transformers'."""
+@pytest.mark.parametrize("kind", list(HYBRID_GROUPS))
+def test_the_hybrid_kv_cache_groups_go_to_the_host_tier_and_back(tmp_path, kind):
+    """Under the hybrid KV cache manager, windows of 8 keys, blocks of 4: a prompt whose blocks other
+    prompts pushed out finds them in the host tier, the full group's every block and each windowed group's
+    blocks of its window (the token at 44 sees keys 37..44: blocks 9 and 10), and the greedy tokens stay
+    transformers'. The tier's slots are pages of the groups' shared tensors."""
     from cluster import LLM
 
-    path = _model(tmp_path, "cohere2")
-    assert _num_windowed_groups(path) == 3
+    overrides, num_windowed = HYBRID_GROUPS[kind]
+    path = save_tiny_model(tmp_path / kind, kind, **overrides)
+    build_tokenizer().save_pretrained(path)
+    assert _num_windowed_groups(path) == num_windowed
     first = [(11 * i + 5) % 256 for i in range(45)]
     others = [[(13 * i + j) % 256 for i in range(45)] for j in range(3)]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     llm = LLM(model=str(path), dtype="float32", block_size=4, num_gpu_blocks=64, max_model_len=64,
               kv_offloading_size=0.001)
     try:
-        assert len(llm._engine.scheduler.kv_cache_manager.groups) == 3
+        assert len(llm._engine.scheduler.kv_cache_manager.groups) == num_windowed
+        runner = llm._engine.executor.worker.runner
+        group_size = runner.kv_cache_grouping.group_size
+        assert len(runner.block_caches) == len(runner.offload_caches) == group_size == 4 // (num_windowed + 1)
         before = llm.generate([first], params, use_tqdm=False)
         llm.generate(others, params, use_tqdm=False)  # (their blocks push the first prompt's out)
         loaded_before = llm.get_stats()[0].kv_offload_loaded_blocks
@@ -146,7 +152,7 @@ def test_the_hybrid_kv_cache_groups_go_to_the_host_tier_and_back(tmp_path):
     with torch.no_grad():
         expected = hf_greedy(load_hf(path), first, 6)
     assert again[0].outputs[0].token_ids == before[0].outputs[0].token_ids == expected
-    assert again[0].num_cached_tokens == 44 and stats.kv_offload_loaded_blocks - loaded_before == 11 + 3 * 2
+    assert again[0].num_cached_tokens == 44 and stats.kv_offload_loaded_blocks - loaded_before == 11 + num_windowed * 2
 
 
 @pytest.mark.parametrize("kind", ["gemma3n", "gemma4", "deepseek_v32", "glm_moe_dsa"])

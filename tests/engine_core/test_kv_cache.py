@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from engine_core.core.block_pool import BLOCKS_STORED, BlockPool
+from engine_core.core.block_pool import BLOCKS_STORED, TIER_STORED, BlockPool
 from engine_core.core.kv_cache_manager import KVCacheManager
 from engine_core.core.kv_cache_utils import (
     NONE_HASH,
@@ -466,10 +466,16 @@ def _admit_with_the_tier(mgr: KVCacheManager, request: Request):
     return num_local_tokens, offloaded, mgr.take_offload_copies()[1]
 
 
+def _group_loads(offloaded, group: int) -> list[tuple[int, int]]:
+    """The (position, slot) loads of one group."""
+    return [(position, slot) for g, position, slot in offloaded.loads if g == group]
+
+
 def _hybrid_with_a_tier_after(prompt: list[int], keep_positions: dict[int, list[int]]) -> KVCacheManager:
     """A 25-token prompt computed (six full blocks a group, window 6), freed, then pushed out to the tier
     but for each group's blocks at ``keep_positions[group]``."""
     mgr = _hybrid(40, num_offload_blocks=40)
+    mgr.block_pool.record_kv_events()
     a = _req("a", prompt)
     mgr.allocate_slots(a, len(prompt))
     lists = [list(mgr.req_to_blocks["a"]), list(mgr.groups[0].req_to_blocks["a"])]
@@ -492,8 +498,11 @@ def test_the_offloading_tier_extends_a_hybrid_hit_with_each_groups_blocks_of_the
     assert num_local == 0 and len(offloaded) == 6
     # (The tier holds both groups' six blocks; what it reports to routers is group 0's hashes alone.)
     assert len(tier) == 12 and sorted(tier.hashes()) == sorted(hashes[:6])
+    events = mgr.block_pool.take_kv_events()
+    assert all(isinstance(h, bytes) for _, hs in events for h in hs)
+    assert sorted(h for kind, hs in events if kind == TIER_STORED for h in hs) == sorted(hashes[:6])
     group_keys = [windowed.key(h) for h in hashes[4:6]]
-    assert offloaded.group_slots == ([(4, tier.lookup(group_keys)[0]), (5, tier.lookup(group_keys)[1])],)
+    assert _group_loads(offloaded, 1) == list(zip([4, 5], tier.lookup(group_keys), strict=True))
     group_list = windowed.req_to_blocks["b"]
     assert group_list[:4] == [RELEASED_BLOCK] * 4 and mgr.get_num_held_blocks("b") == 7 + 3
     assert loads == [*zip(tier.lookup(hashes[:6]), mgr.get_block_ids("b")[:6], strict=True),
@@ -510,16 +519,35 @@ def test_the_offloading_tier_extends_a_hybrid_hit_with_each_groups_blocks_of_the
     pool.check_integrity()
 
 
-def test_a_windowed_groups_block_missing_from_the_tier_cuts_the_hit_to_a_window_it_holds():
-    """The windowed group's block 5 stayed on the device (not in the tier): a hit of six blocks needs it,
-    so the hit is five blocks, whose window (keys 14..20) needs the group's blocks 3 and 4."""
+def test_a_windowed_groups_block_on_neither_tier_cuts_the_hit_to_a_window_they_hold():
+    """The windowed group's block 5 is neither in the tier nor on the device: a hit of six blocks needs
+    it, so the hit is five blocks, whose window (keys 14..20) needs the group's blocks 3 and 4."""
     prompt = list(range(25))
-    mgr = _hybrid_with_a_tier_after(prompt, {1: [5]})
+    mgr = _hybrid_with_a_tier_after(prompt, {1: [5]})  # (kept on the device, so not saved)
     b = _req("b", prompt)
+    mgr.get_computed_blocks(b, record=False)  # (hashes the prompt)
+    mgr.block_pool.uncache_blocks([mgr.block_pool.get_cached_block(mgr.groups[0].key(b.block_hashes[5]))])
     num_local, offloaded, loads = _admit_with_the_tier(mgr, b)
     assert num_local == 0 and len(offloaded) == 5
-    assert [position for position, _ in offloaded.group_slots[0]] == [3, 4] and len(loads) == 5 + 2
+    assert [p for p, _ in _group_loads(offloaded, 1)] == [3, 4] and len(loads) == 5 + 2
     assert mgr.get_num_held_blocks("b") == 7 + 4  # (the group's blocks 3..6: two loaded, two computed)
+    mgr.block_pool.check_integrity()
+
+
+def test_a_hit_the_tier_extends_takes_the_device_blocks_past_where_the_device_hit_stopped():
+    """Group 0's six blocks stayed on the device and the windowed group's went to the tier: the device hit
+    is none (the windowed group's window is not on the device), the longer hit takes group 0's six blocks
+    from the device and loads only the windowed group's blocks 4 and 5 from the tier."""
+    prompt = list(range(25))
+    mgr = _hybrid_with_a_tier_after(prompt, {0: [0, 1, 2, 3, 4, 5]})
+    b = _req("b", prompt)
+    mgr.get_computed_blocks(b, record=False)  # (hashes the prompt)
+    held = [mgr.block_pool.get_cached_block(h) for h in b.block_hashes[:6]]
+    num_local, offloaded, loads = _admit_with_the_tier(mgr, b)
+    assert num_local == 0 and len(offloaded) == 6 and offloaded.num_loaded_blocks == 0
+    assert [(g, p) for g, p, _ in offloaded.loads] == [(1, 4), (1, 5)] and len(loads) == 2
+    assert mgr.req_to_blocks["b"][:6] == held
+    assert [blk.ref_cnt for blk in mgr.req_to_blocks["b"][:6]] == [1] * 6 and mgr.get_num_held_blocks("b") == 7 + 3
     mgr.block_pool.check_integrity()
 
 
@@ -536,7 +564,7 @@ def test_the_tier_extends_a_device_hit_and_drops_the_windowed_device_blocks_its_
     device_window = computed.group_blocks[0][1:3]
     num_local, offloaded, loads = _admit_with_the_tier(mgr, b)
     assert num_local == 12 and len(offloaded) == 3
-    assert [position for position, _ in offloaded.group_slots[0]] == [4, 5] and len(loads) == 3 + 2
+    assert [p for p, _ in _group_loads(offloaded, 1)] == [4, 5] and len(loads) == 3 + 2
     assert mgr.groups[0].req_to_blocks["b"][:4] == [RELEASED_BLOCK] * 4
     assert [blk.ref_cnt for blk in device_window] == [0, 0] and mgr.get_num_held_blocks("b") == 7 + 3
     # (The end of a prefix other prompts share: kept as recently used, and for the tier when evicted.)
@@ -569,7 +597,7 @@ def test_the_tier_keeps_a_windowed_groups_blocks_of_the_windows_a_hit_would_need
     # The prompt again: six blocks from the tier, the windowed group's 4 and 5 among them.
     b = _req("b", prompt)
     num_local, offloaded, loads = _admit_with_the_tier(mgr, b)
-    assert num_local == 0 and len(offloaded) == 6 and [p for p, _ in offloaded.group_slots[0]] == [4, 5]
+    assert num_local == 0 and len(offloaded) == 6 and [p for p, _ in _group_loads(offloaded, 1)] == [4, 5]
     assert len(loads) == 6 + 2
     mgr.block_pool.check_integrity()
 
@@ -596,5 +624,27 @@ def test_the_tier_keeps_the_window_of_a_shared_prefix_a_prompt_found_cached():
     assert [windowed.key(h) in mgr.offload for h in b.block_hashes[:4]] == [False, False, True, True]
     c = _req("c", shared + list(range(300, 310)))
     num_local, offloaded, _ = _admit_with_the_tier(mgr, c)
-    assert num_local == 0 and len(offloaded) == 4 and [p for p, _ in offloaded.group_slots[0]] == [2, 3]
+    assert num_local == 0 and len(offloaded) == 4 and [p for p, _ in _group_loads(offloaded, 1)] == [2, 3]
     mgr.block_pool.check_integrity()
+
+
+@pytest.mark.parametrize("spare", [0, -1])
+def test_a_hit_the_tier_extends_fits_a_pool_of_exactly_the_blocks_it_takes(spare):
+    """Everything in the tier, the 25-token prompt again: group 0's six blocks loaded and one computed, the
+    windowed group's blocks 4 and 5 loaded and one computed: ten blocks. With ten free it is admitted; with
+    nine it is not, and nothing is taken."""
+    prompt = list(range(25))
+    mgr = _hybrid_with_a_tier_after(prompt, {})
+    pool = mgr.block_pool
+    pool.get_new_blocks(pool.get_num_free_blocks() - 10 - spare)  # (held elsewhere)
+    b = _req("b", prompt)
+    computed, num_local = mgr.get_computed_blocks(b)
+    offloaded = mgr.get_offloaded_blocks(b, computed)
+    assert num_local == 0 and len(offloaded) == 6
+    fits = mgr.allocate_slots(b, 25, 0, offloaded.computed) is not None
+    assert fits == (spare == 0)
+    if fits:
+        assert pool.get_num_free_blocks() == 0 and mgr.get_num_held_blocks("b") == 7 + 3
+    else:
+        assert pool.get_num_free_blocks() == 9 and "b" not in mgr.req_to_blocks
+    pool.check_integrity()

@@ -584,16 +584,19 @@ def test_a_draft_models_cache_is_not_transferred_so_it_is_refused(tiny_model_dir
                 speculative_config={"model": str(tiny_model_dir), "num_speculative_tokens": 2})
 
 
-def test_engines_with_kv_cache_groups_hand_on_each_groups_blocks_of_the_window(tmp_path):
-    """Cohere2 (three windowed layers of 8 keys, one full) under the hybrid KV cache manager, blocks of 4:
-    the consumer reads the full group's 11 blocks of the prompt's first 44 tokens and each windowed group's
-    blocks of the window of the token at 44 (keys 37..44: blocks 9 and 10), 17 blocks in all, and answers
-    as one engine does. An engine keeping one group (--disable-hybrid-kv-cache-manager) computes such a
-    prompt itself and tells the producer."""
-    from tests.gpu_worker.utils import save_tiny_model
+@pytest.mark.parametrize("kind", ["cohere2", "gemma2"])
+def test_engines_with_kv_cache_groups_hand_on_each_groups_blocks_of_the_window(tmp_path, kind):
+    """Under the hybrid KV cache manager (Cohere2: three windowed layers of 8 keys and one full, a group
+    each; Gemma 2 over four layers: two groups of two layers sharing two tensors), blocks of 4: the
+    consumer reads the full group's 11 blocks of the prompt's first 44 tokens and each windowed group's
+    blocks of the window of the token at 44 (keys 37..44: blocks 9 and 10), and answers as one engine
+    does. An engine keeping one group (--disable-hybrid-kv-cache-manager) computes such a prompt itself
+    and tells the producer."""
+    from tests.gpu_worker.utils import HYBRID_GROUPS, save_tiny_model
     from tests.tiny_model import build_tokenizer
 
-    path = save_tiny_model(tmp_path / "cohere2", "cohere2")
+    overrides, num_windowed = HYBRID_GROUPS[kind]
+    path = save_tiny_model(tmp_path / kind, kind, **overrides)
     build_tokenizer().save_pretrained(path)
     spec = {"block_size": 4, "num_gpu_blocks": 96, "max_model_len": 64, "dtype": "float32"}
     prompt = [(7 * i + 3) % 200 + 5 for i in range(45)]
@@ -606,7 +609,10 @@ def test_engines_with_kv_cache_groups_hand_on_each_groups_blocks_of_the_window(t
     released: list[dict[str, Any]] = []
     one_group.kv_releaser = released.append
     try:
-        assert len(consumer.scheduler.kv_cache_manager.groups) == 3 and not one_group.scheduler.kv_cache_manager.groups
+        groups = consumer.scheduler.kv_cache_manager.groups
+        assert len(groups) == num_windowed and not one_group.scheduler.kv_cache_manager.groups
+        # (What travels: a page of each of the groups' shared tensors a block.)
+        assert len(consumer.executor.worker._transferred_caches()) == 4 // (num_windowed + 1)
         expected = _run(reference, [EngineCoreRequest(request_id="r", prompt_token_ids=prompt,
                                                       sampling_params=_greedy(8))])["r"]["tokens"]
         prefills = _run(producer, [EngineCoreRequest(request_id=f"p{i}", prompt_token_ids=prompt,
@@ -614,12 +620,13 @@ def test_engines_with_kv_cache_groups_hand_on_each_groups_blocks_of_the_window(t
                                                      kv_transfer_params={"do_remote_decode": True})
                                    for i in range(2)])
         params = prefills["p0"]["params"]
-        assert len(params["remote_block_ids"]) == 12 and len(params["remote_group_block_ids"]) == 3
+        assert len(params["remote_block_ids"]) == 12 and len(params["remote_group_block_ids"]) == num_windowed
         assert all(ids[9] is not None and ids[10] is not None for ids in params["remote_group_block_ids"])
         decoded = _run(consumer, [EngineCoreRequest(request_id="d", prompt_token_ids=prompt,
                                                     sampling_params=_greedy(8), kv_transfer_params=params)])["d"]
         assert decoded["tokens"] == expected and decoded["cached"] == 44
-        assert consumer.stats().kv_transfer_received_blocks == 11 + 3 * 2 == producer.stats().kv_transfer_sent_blocks
+        received = 11 + num_windowed * 2
+        assert consumer.stats().kv_transfer_received_blocks == received == producer.stats().kv_transfer_sent_blocks
         assert reads == [("p0", params["remote_block_ids"][:11])]
         # Those blocks entered the consumer's prefix cache, each group's under its keys: the prompt again hits.
         again = _run(consumer, [EngineCoreRequest(request_id="d2", prompt_token_ids=prompt,

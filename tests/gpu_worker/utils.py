@@ -880,6 +880,12 @@ def make_config(kind: str = "llama", **overrides):
     raise ValueError(kind)
 
 
+# Tiny models whose layers keep KV cache groups (save_tiny_model's kind: its overrides, its windowed
+# groups): Cohere2's three windowed layers and one full (a group a layer), Gemma 2's alternating ones over
+# four layers (a group of two full and one of two windowed layers, each group's layers sharing two tensors).
+HYBRID_GROUPS = {"cohere2": ({}, 3), "gemma2": ({"num_hidden_layers": 4}, 1)}
+
+
 def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0, **overrides) -> Path:
     """A random-weight HF model saved as safetensors; returns its directory."""
     torch.manual_seed(seed)
