@@ -985,10 +985,12 @@ class EngineCoreActor:
             def looked_up(lookup: concurrent.futures.Future[Any]) -> None:
                 try:
                     key, handle = lookup.result()
+                    # (The windowed groups' blocks only where there are some: a producer of an earlier
+                    # version reads the rest.)
+                    groups = (load.remote_group_block_ids,) if load.remote_group_block_ids else ()
                     read = handle.read_kv_blocks.remote(
                         load.params.get("remote_request_id"), str(load.params.get("remote_nonce") or ""),
-                        load.remote_block_ids, load.first_block, load.digest, load.num_tokens,
-                        load.remote_group_block_ids).future()
+                        load.remote_block_ids, load.first_block, load.digest, load.num_tokens, *groups).future()
                 except Exception as e:
                     result.set_exception(e)
                     return

@@ -262,7 +262,8 @@ class EngineCore:
         self.kv_connector = KVConnector(transfer, config.block_size,
                                         {"remote_engine_id": config.engine_name, "remote_host": "", "remote_port": 0,
                                          "tp_size": config.tensor_parallel_size},
-                                        num_kv_cache_groups=1 + len(self.scheduler.kv_cache_manager.groups))
+                                        group_window_starts=self.scheduler.kv_cache_manager.group_window_starts
+                                        if self.scheduler.kv_cache_manager.groups else None)
         self.scheduler.connector = self.kv_connector
 
     def read_held_kv(self, request_id: str, nonce: str, block_ids: list[int], first_block: int, digest: str,

@@ -175,6 +175,10 @@ def kv_digest(token_ids: list[int], lora_name: str | None) -> str:
     return digest.hexdigest()
 
 
+def _is_block_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 @dataclass
 class PendingLoad:
     """Blocks a decode engine reads from a producer before the request can run."""
@@ -217,11 +221,14 @@ class KVConnector:
     """The scheduler's half of the connector: which blocks a consumer loads, which a producer holds."""
 
     def __init__(self, config: KVTransferConfig, block_size: int, engine_id: dict[str, Any],
-                 clock: Callable[[], float] = time.monotonic, num_kv_cache_groups: int = 1) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 group_window_starts: Callable[[int], list[int]] | None = None) -> None:
         self.config = config
         self.block_size = block_size
-        # The hybrid KV cache manager's groups (1: none); both engines of a transfer must have as many.
-        self.num_kv_cache_groups = num_kv_cache_groups
+        # Under the hybrid KV cache manager: each windowed group's first block the token at a position
+        # attends to (the KV cache manager's); both engines of a transfer must keep the same groups.
+        self.group_window_starts = group_window_starts
+        self.num_kv_cache_groups = 1 + (len(group_window_starts(0)) if group_window_starts is not None else 0)
         # What a consumer needs to find this engine (its actor name and namespace, tp_size, ...).
         self.engine_id = dict(engine_id)
         self._clock = clock
@@ -259,6 +266,21 @@ class KVConnector:
             logger.warning("request %s: the producer keeps %d KV cache groups, this engine %d (the same model and "
                            "--disable-hybrid-kv-cache-manager on both); computing the prompt here", request.request_id,
                            len(groups) + 1 if isinstance(groups, list) else 0, self.num_kv_cache_groups)
+            self.decline(request)
+            return 0
+        # Every block to read named, each windowed group's within the window of the token computed here.
+        first = num_local_computed_tokens // self.block_size
+        end = -(-(request.num_prompt_tokens - 1) // self.block_size)
+        wanted = [remote[first:end]]
+        if groups:
+            assert self.group_window_starts is not None
+            for start, ids in zip(self.group_window_starts(request.num_prompt_tokens - 1), groups, strict=True):
+                start = max(start, first)
+                wanted.append(ids[start:end] if isinstance(ids, list) and len(ids) >= end else [None])
+        if not all(_is_block_id(b) for ids in wanted for b in ids):
+            logger.warning("request %s: the producer's parameters do not name every block of the prompt it holds "
+                           "(released behind a window, or other windows than this engine's); computing the "
+                           "prompt here", request.request_id)
             self.decline(request)
             return 0
         return count
@@ -322,8 +344,7 @@ class KVConnector:
         for (start, ids), remote in zip(group_blocks, params.get("remote_group_block_ids") or [], strict=True):
             positions = range(max(start, first), end)
             local_groups += [ids[p - start] for p in positions]
-            # (A position the producer released reads as -1, which no held request has: the read fails.)
-            remote_groups += [int(remote[p]) if p < len(remote) and remote[p] is not None else -1 for p in positions]
+            remote_groups += [int(remote[p]) for p in positions]  # (checked in get_num_new_matched_tokens)
         self._pending.append(PendingLoad(
             request.request_id, block_ids[first:end], [int(b) for b in params["remote_block_ids"][first:end]],
             dict(params), kv_digest(request.all_token_ids[:num_tokens], lora.lora_name if lora else None),

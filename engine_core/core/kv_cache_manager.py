@@ -358,13 +358,15 @@ class KVCacheManager:
             block.in_hit_window = True
         self.block_pool.refresh(kept)
 
+    def group_window_starts(self, num_tokens: int) -> list[int]:
+        """Each further group's first block the token at position ``num_tokens`` attends to."""
+        return [group.first_needed_block(num_tokens, self.block_size) for group in self.groups]
+
     def get_group_block_ids_from(self, request_id: str, num_tokens: int) -> list[tuple[int, list[int]]]:
         """Each further group's first block the token at ``num_tokens`` attends to, and the request's block
         ids from there on (where another engine's blocks are read in)."""
-        block_size = self.block_size
-        starts = [group.first_needed_block(num_tokens, block_size) for group in self.groups]
         return [(start, [b.block_id for b in group.req_to_blocks[request_id][start:]])
-                for start, group in zip(starts, self.groups, strict=True)]
+                for start, group in zip(self.group_window_starts(num_tokens), self.groups, strict=True)]
 
     def get_held_group_block_ids(self, request_id: str) -> list[list[int | None]]:
         """Each further group's block ids of the request, None where released behind the window."""
@@ -519,6 +521,10 @@ class KVCacheManager:
             group_lists = [self._take_group_hits(request, group, hit)
                            for group, hit in zip(self.groups, group_computed, strict=True)]
             if num_holes:
+                # (Caching goes on from group 0's count: where a group's first tier copy lies before it,
+                # group 0 counts from there, its blocks cached already skipped.)
+                self.num_cached_block[req_id] = min(self.num_cached_block[req_id],
+                                                    *(group.num_cached_block[req_id] for group in self.groups))
                 for blocks in (req_blocks, *group_lists):
                     holes = [i for i, b in enumerate(blocks) if b is None]
                     for i, block in zip(holes, pool.get_new_blocks(len(holes)), strict=True):

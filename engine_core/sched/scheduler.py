@@ -514,8 +514,6 @@ class Scheduler(SchedulerInterface):
                 # (The prefix cache's hit: under the KV cache groups the tier's longer hit may take device
                 # blocks past where the device's own stopped.)
                 num_device_hit_tokens = num_computed_tokens - offloaded.num_loaded_blocks * kv_cache_manager.block_size
-                if partial is None:
-                    kv_cache_manager.record_lookup(request, num_device_hit_tokens)
             else:
                 # A continued streaming session keeps its blocks and its computed tokens.
                 new_computed_blocks = kv_cache_manager.empty_kv_cache_blocks()
@@ -523,13 +521,19 @@ class Scheduler(SchedulerInterface):
                 num_computed_tokens = request.num_computed_tokens
             num_external_tokens = num_computed_tokens - num_new_local_computed_tokens if offloaded else 0
 
-            if looked_up and self.connector is not None and request.kv_transfer_params is not None:
+            remote = looked_up and self.connector is not None and request.kv_transfer_params is not None
+            block_size = kv_cache_manager.block_size
+            if remote and offloaded and request.num_prompt_tokens - 1 - num_computed_tokens >= block_size:
+                # The host tier holds only part of the rest: the producer's blocks (all of it) are read.
+                offloaded, num_computed_tokens, num_external_tokens = \
+                    kv_cache_manager.no_offloaded_blocks, num_new_local_computed_tokens, 0
+                num_device_hit_tokens = num_new_local_computed_tokens
+            if looked_up and partial is None:
+                kv_cache_manager.record_lookup(request, num_device_hit_tokens)
+            if remote:
                 # Prefill/decode disaggregation: the rest of the prompt is read from the engine that
                 # computed it. Blocks now, no pass: the request waits for the data (WAITING_FOR_REMOTE_KVS).
-                if offloaded and request.num_prompt_tokens - 1 - num_computed_tokens >= kv_cache_manager.block_size:
-                    # The host tier holds only part of the rest: the producer's blocks (all of it) are read.
-                    offloaded, num_computed_tokens, num_external_tokens = \
-                        kv_cache_manager.no_offloaded_blocks, num_new_local_computed_tokens, 0
+                assert self.connector is not None
                 if offloaded:  # (the host tier holds the rest: read from there, not remotely)
                     self.connector.decline(request)
                 num_remote_tokens = 0 if offloaded else \

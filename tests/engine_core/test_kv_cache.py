@@ -548,6 +548,10 @@ def test_a_hit_the_tier_extends_takes_the_device_blocks_past_where_the_device_hi
     assert [(g, p) for g, p, _ in offloaded.loads] == [(1, 4), (1, 5)] and len(loads) == 2
     assert mgr.req_to_blocks["b"][:6] == held
     assert [blk.ref_cnt for blk in mgr.req_to_blocks["b"][:6]] == [1] * 6 and mgr.get_num_held_blocks("b") == 7 + 3
+    # The windowed group's copies enter the prefix cache under its keys, as group 0's blocks are there.
+    windowed = mgr.groups[0]
+    assert [mgr.block_pool.get_cached_block(windowed.key(h)) for h in b.block_hashes[4:6]] == \
+        windowed.req_to_blocks["b"][4:6]
     mgr.block_pool.check_integrity()
 
 

@@ -632,6 +632,30 @@ def test_engines_with_kv_cache_groups_hand_on_each_groups_blocks_of_the_window(t
         again = _run(consumer, [EngineCoreRequest(request_id="d2", prompt_token_ids=prompt,
                                                   sampling_params=_greedy(8))])["d2"]
         assert again["tokens"] == expected and again["cached"] == 44
+        # A longer prompt whose first 44 tokens the consumer holds: it reads block 11 of each group alone (the
+        # token at 48 sees keys 41..48: each windowed group's block 10 is the consumer's own).
+        longer = prompt + [9, 8, 7, 6]
+        expected_longer = _run(reference, [EngineCoreRequest(request_id="r2", prompt_token_ids=longer,
+                                                             sampling_params=_greedy(8))])["r2"]["tokens"]
+        params2 = _run(producer, [EngineCoreRequest(request_id="p2", prompt_token_ids=longer,
+                                                    sampling_params=_greedy(1),
+                                                    kv_transfer_params={"do_remote_decode": True})])["p2"]["params"]
+        decoded2 = _run(consumer, [EngineCoreRequest(request_id="d3", prompt_token_ids=longer,
+                                                     sampling_params=_greedy(8), kv_transfer_params=params2)])["d3"]
+        assert decoded2["tokens"] == expected_longer and decoded2["cached"] == 48
+        assert consumer.stats().kv_transfer_received_blocks == received + 1 + num_windowed
+        # Parameters naming no block where the window needs one (a producer that let it go): computed here.
+        broken = {**params2, "remote_request_id": "gone",
+                  "remote_group_block_ids": [ids[:10] + [None] + ids[11:] for ids in params2["remote_group_block_ids"]]}
+        consumer.kv_releaser = released.append
+        other = prompt[:40] + [1, 2, 3, 4, 5]
+        local_other = _run(reference, [EngineCoreRequest(request_id="r3", prompt_token_ids=other,
+                                                         sampling_params=_greedy(8))])["r3"]["tokens"]
+        refused = _run(consumer, [EngineCoreRequest(request_id="d4", prompt_token_ids=other, sampling_params=_greedy(8),
+                                                    kv_transfer_params=broken)])["d4"]
+        consumer.kv_housekeeping()
+        assert refused["tokens"] == local_other and released == [broken]
+        released.clear()
         # Another layout on the consumer: no read, the prompt computed there, the producer told to let go.
         local = _run(one_group, [EngineCoreRequest(request_id="o", prompt_token_ids=prompt, sampling_params=_greedy(8),
                                                    kv_transfer_params=prefills["p1"]["params"])])["o"]
