@@ -14,8 +14,9 @@ addresses a page of each of the workers' shared tensors (gpu_worker/kv_cache_gro
 windowed group's blocks cost as much as a full one's, and a long request holds the full group's
 blocks and a window's worth of each windowed group's. A windowed group's blocks are cached under
 (group, hash); a prefix hit needs the full group's blocks up to it and each windowed group's from the
-window of its first token computed. KV offloading's host tier keeps every group's evicted blocks under
-the same keys, and a hit it extends needs the same of them (``get_offloaded_blocks``).
+window of its first token computed. KV offloading's host tier keeps the full groups' evicted blocks and a
+windowed group's within a window a later hit would need (``_mark_hit_windows``), under the same keys; a
+hit it extends needs the same of them, from the device or the tier (``get_offloaded_blocks``).
 """
 
 from __future__ import annotations
